@@ -1,0 +1,282 @@
+"""Typed configuration.
+
+`config/model_config.yaml` holds every tuning parameter. `load_config` reads it,
+applies the selected profile's overrides, then environment variables
+(`ORPHEUS_SERVE__SECTION__KEY=value`, nested with double underscores), then
+`--set section.key=value` overrides from the command line. Everything is
+validated by pydantic with unknown keys forbidden; any problem becomes a
+`ConfigError` whose message is one line naming the key and what is allowed.
+
+The config object is passed to whoever needs it; nothing reads it globally.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "ORPHEUS_SERVE__"
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "model_config.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, described in one line that names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SchedulerConfig(_Strict):
+    max_concurrent_sessions: int = Field(32, ge=1, le=4096)
+    max_batch_size: int = Field(16, ge=1, le=4096)
+    ttfb_priority_tokens: int = Field(20, ge=0)
+    flush_first_n_tokens: int = Field(7, ge=7)
+    flush_every_n_tokens: int = Field(14, ge=7)
+    prefill_chunk_tokens: int = Field(256, ge=1)
+    session_timeout_s: float = Field(120.0, gt=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
+    max_queue: int = Field(64, ge=0)
+    policy: Literal["fair", "deadline"] = "fair"
+    deadline_yield_s: float = Field(1.0, ge=0)
+    next_chunk_lead_s: float = Field(1.5, ge=0)
+
+    @model_validator(mode="after")
+    def _whole_frames(self) -> SchedulerConfig:
+        for name in ("flush_first_n_tokens", "flush_every_n_tokens"):
+            if getattr(self, name) % 7:
+                raise ValueError(f"{name} must be a multiple of 7 (one audio frame is 7 tokens)")
+        return self
+
+
+class CodecConfig(_Strict):
+    path: str = "models/snac_24khz"
+    decoder: Literal["stateful", "windowed"] = "stateful"
+    left_context_frames: int = Field(2, ge=0, le=16)
+    lookahead_frames: int = Field(2, ge=0, le=16)
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    noise: bool = True
+    seed: int | None = None
+    compile: bool = False
+    max_batch: int = Field(64, ge=1)
+
+
+class TensorRTConfig(_Strict):
+    engine_dir: str = "engines/orpheus-fp8"
+    kv_cache_free_gpu_memory_fraction: float = Field(0.85, gt=0, le=1)
+    max_num_tokens: int = Field(8192, ge=1)
+
+
+class SimConfig(_Strict):
+    step_base_ms: float = Field(9.0, ge=0)
+    step_per_seq_ms: float = Field(0.12, ge=0)
+    step_per_ctx_token_ms: float = Field(0.00002, ge=0)
+    prefill_per_token_ms: float = Field(0.02, ge=0)
+    end_after_frames: int | None = Field(None, ge=1)
+    realtime: bool = True
+
+
+class EngineConfig(_Strict):
+    backend: Literal["torch", "tensorrt", "sim"] = "torch"
+    mode: Literal["batched", "baseline"] = "batched"
+    model_path: str = "models/orpheus"
+    tokenizer_path: str | None = None
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    max_seq_len: int = Field(4096, ge=64)
+    cuda_graphs: bool = True
+    memory_fraction: float = Field(0.9, gt=0, le=1)
+    tensorrt: TensorRTConfig = TensorRTConfig()
+    sim: SimConfig = SimConfig()
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(0.6, ge=0, le=5)
+    top_p: float = Field(0.8, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.1, ge=1.0, le=3.0)
+    constrained: bool = True
+    tokens_per_char: float = Field(12.0, gt=0)
+    min_tokens: int = Field(280, ge=7)
+    max_tokens: int = Field(3500, ge=7)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SamplingConfig:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
+
+    def max_tokens_for(self, text: str) -> int:
+        """Token budget for one text chunk: proportional to its length, whole frames."""
+        budget = int(len(text) * self.tokens_per_char)
+        budget = max(self.min_tokens, min(self.max_tokens, budget))
+        return max(7, budget - budget % 7)
+
+
+class ServerConfig(_Strict):
+    host: str = "0.0.0.0"
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    api_keys: list[str] = []
+    max_body_bytes: int = Field(65536, ge=1024)
+    max_connections: int = Field(256, ge=1)
+    max_ws_requests_per_connection: int = Field(1000, ge=1)
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ProfileConfig(_Strict):
+    max_text_chars: int = Field(ge=1)
+    target_concurrent: int = Field(ge=1)
+    target_ttfb_ms: float = Field(gt=0)
+    overrides: dict[str, Any] = {}
+
+
+DEFAULT_PROFILES = {
+    "conversational": ProfileConfig(max_text_chars=250, target_concurrent=24, target_ttfb_ms=100),
+    "longform": ProfileConfig(max_text_chars=5000, target_concurrent=16, target_ttfb_ms=300),
+}
+
+
+class Config(_Strict):
+    profile: str = "conversational"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    codec: CodecConfig = CodecConfig()
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    server: ServerConfig = ServerConfig()
+    profiles: dict[str, ProfileConfig] = dict(DEFAULT_PROFILES)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.profile not in self.profiles:
+            allowed = ", ".join(sorted(self.profiles))
+            raise ValueError(f"profile {self.profile!r} is not defined; allowed: {allowed}")
+        if self.scheduler.max_batch_size > self.scheduler.max_concurrent_sessions:
+            raise ValueError("scheduler.max_batch_size must not exceed scheduler.max_concurrent_sessions")
+        return self
+
+    @property
+    def active_profile(self) -> ProfileConfig:
+        return self.profiles[self.profile]
+
+
+def _format_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "literal_error":
+        msg = f"must be one of {err['ctx']['expected']}"
+    elif msg.startswith("Value error, "):
+        msg = msg.removeprefix("Value error, ")
+    got = err.get("input")
+    got_s = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    return f"config error: {key}: {msg}{got_s}"
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config error: {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_scalar(text: str) -> Any:
+    """Values from env vars and --set are YAML scalars: 8, 0.5, true, null, [a, b]."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`["scheduler.max_batch_size=8", ...]` -> `{"scheduler.max_batch_size": 8}`."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"config error: override {item!r} must look like section.key=value")
+        out[key.strip()] = _parse_scalar(value.strip())
+    return out
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX):
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            out[dotted] = _parse_scalar(value)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    profile: str | None = None,
+    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Load, merge and validate the config; raise ConfigError with a one-line message."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    raw: dict[str, Any] = {}
+    if path.exists():
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config error: {path}: not valid YAML ({exc.__class__.__name__})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config error: {path}: the top level must be a mapping")
+        raw = loaded
+    elif path != DEFAULT_CONFIG_PATH:
+        raise ConfigError(f"config error: {path}: no such file")
+
+    env_items = env_overrides(os.environ if env is None else env)
+    cli_items = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides or [])
+
+    if profile is not None:
+        raw["profile"] = profile
+    elif "profile" in env_items:
+        raw["profile"] = env_items.pop("profile")
+    elif "profile" in cli_items:
+        raw["profile"] = cli_items.pop("profile")
+
+    try:
+        base = Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+    merged = base.model_dump()
+    for key, value in {**base.active_profile.overrides, **env_items, **cli_items}.items():
+        _set_path(merged, key, value)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> `cuda` when a GPU is visible, else `cpu`."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str, *, cuda_default: str = "bf16") -> str:
+    """`auto` -> `cuda_default` on CUDA, fp32 on CPU."""
+    if dtype != "auto":
+        return dtype
+    return cuda_default if device.startswith("cuda") else "fp32"

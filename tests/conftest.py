@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny random-weight models, built once per test run in the real on-disk formats."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder holding tiny-orpheus/ and tiny-snac/ (seed 0). Reuses ORPHEUS_TINY_MODELS if set."""
+    preset = os.environ.get("ORPHEUS_TINY_MODELS")
+    if preset and (Path(preset) / "tiny-orpheus" / "config.json").exists():
+        return Path(preset)
+    from scripts.make_tiny_models import main as make_tiny_models
+
+    out = tmp_path_factory.mktemp("models")
+    assert make_tiny_models(["--out", str(out), "--seed", "0"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_orpheus(tiny_models: Path) -> Path:
+    return tiny_models / "tiny-orpheus"
+
+
+@pytest.fixture(scope="session")
+def tiny_snac(tiny_models: Path) -> Path:
+    return tiny_models / "tiny-snac"
