@@ -1,0 +1,117 @@
+"""What gateways hand to `TTSService` and what comes back: the service's own types.
+
+Gateways convert their wire types (pydantic bodies, protobuf messages, JSON
+frames) to these at the edge; nothing inward sees a wire type.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from .protocol import SAMPLE_RATE
+
+
+@dataclass(frozen=True, slots=True)
+class SynthesisRequest:
+    text: str
+    voice: str = "tara"
+    # Sampling overrides; None takes the configured default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # per text chunk
+    seed: int | None = None
+    constrained: bool | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    pcm: bytes  # 16-bit signed little-endian mono PCM
+    sample_rate: int = SAMPLE_RATE
+    index: int = 0  # position of this chunk in the response, from 0
+    start_sample: int = 0  # offset of its first sample in the response
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm) // 2
+
+
+@dataclass(slots=True)
+class SynthesisMetrics:
+    request_id: str
+    ttfb_s: float | None = None  # request received -> first audio chunk ready
+    queue_s: float = 0.0  # waiting for a KV-cache slot (first text chunk)
+    wall_s: float = 0.0
+    audio_seconds: float = 0.0
+    samples: int = 0
+    tokens: int = 0
+    frames: int = 0
+    text_chunks: int = 0
+    finish_reason: str = "stop"  # stop | length | cancelled | timeout | error
+
+    @property
+    def rtf(self) -> float:
+        """Generation wall time / audio duration (< 1 is faster than real time)."""
+        return self.wall_s / self.audio_seconds if self.audio_seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        return {
+            "request_id": self.request_id,
+            "ttfb_ms": None if self.ttfb_s is None else round(self.ttfb_s * 1000, 2),
+            "queue_ms": round(self.queue_s * 1000, 2),
+            "wall_ms": round(self.wall_s * 1000, 2),
+            "audio_seconds": round(self.audio_seconds, 4),
+            "rtf": round(self.rtf, 4) if self.audio_seconds > 0 else None,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "frames": self.frames,
+            "text_chunks": self.text_chunks,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class SynthesisError(Exception):
+    """Base of the errors a gateway maps to its own convention."""
+
+    code = "internal_error"
+
+
+class InvalidRequestError(SynthesisError):
+    """Bad input: HTTP 400 / gRPC INVALID_ARGUMENT / a WebSocket error message."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(SynthesisError):
+    """Every slot is taken and the admission queue is full: 503 / RESOURCE_EXHAUSTED."""
+
+    code = "server_busy"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServiceUnavailableError(SynthesisError):
+    """Not ready yet, or shutting down: 503 / UNAVAILABLE."""
+
+    code = "unavailable"
+
+
+class SynthesisTimeoutError(SynthesisError):
+    """Waited too long for a slot, or the session ran past its timeout: 504 / DEADLINE_EXCEEDED."""
+
+    code = "timeout"
+
+
+class EngineFailureError(SynthesisError):
+    """The engine or codec failed this request (others are unaffected): 500 / INTERNAL."""
+
+    code = "engine_error"
