@@ -1,0 +1,319 @@
+"""Streaming clients for the three protocols, shared by client.py and the benchmarks.
+
+Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
+the audio bytes, the arrival time and size of every audio message (from which
+TTFB, underruns and RTF follow, DESIGN §8), the server's final metrics where
+the protocol carries them, and a status: `ok`, `rejected` (the server is
+full, not ready or shutting down: retry later) or `error` (with a message
+saying what went wrong, including "cannot connect"). They never raise for
+server-side failures, so a benchmark can fire thousands and count outcomes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import grpc
+import httpx
+import websockets
+from websockets.asyncio.client import connect as ws_connect
+
+from ..audio import AUDIO_FORMATS, decode_audio, wav_header
+from ..protocol import SAMPLE_RATE
+from .proto import orpheus_pb2 as pb
+from .proto import orpheus_pb2_grpc as pb_grpc
+
+PROTOCOLS = ("rest", "ws", "grpc")
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_GRPC_ADDR = "127.0.0.1:50051"
+STREAM_PATH = "/v1/audio/stream"
+
+_REJECTED_HTTP = {429, 503}
+_REJECTED_CODES = {"server_busy", "too_many_connections", "unavailable"}
+_REJECTED_GRPC = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+_GRPC_FORMATS = {"pcm": pb.AUDIO_FORMAT_PCM, "wav": pb.AUDIO_FORMAT_WAV, "mp3": pb.AUDIO_FORMAT_MP3,
+                 "opus": pb.AUDIO_FORMAT_OPUS, "aac": pb.AUDIO_FORMAT_AAC, "flac": pb.AUDIO_FORMAT_FLAC}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed")
+
+
+@dataclass(slots=True)
+class ClientResult:
+    protocol: str
+    sent_s: float  # time.perf_counter() when the request left
+    format: str = "pcm"
+    sample_rate: int = SAMPLE_RATE
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival perf_counter, bytes)
+    audio: bytearray = field(default_factory=bytearray)
+    status: str = "ok"  # ok | rejected | error
+    error: str | None = None
+    code: str | None = None  # HTTP status, gRPC status name, or the error code of a WebSocket error message
+    metrics: dict[str, Any] | None = None
+    request_id: str | None = None
+    text_chars: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def ttfb_s(self) -> float | None:
+        return self.chunks[0][0] - self.sent_s if self.chunks else None
+
+    @property
+    def wall_s(self) -> float:
+        return self.chunks[-1][0] - self.sent_s if self.chunks else 0.0
+
+    def samples(self) -> int:
+        """Samples of audio received (decoding the bytes for encoded formats)."""
+        if self.format == "pcm":
+            return len(self.audio) // 2
+        decoded, _ = decode_audio(bytes(self.audio), self.format, sample_rate=self.sample_rate)
+        return len(decoded)
+
+    @property
+    def audio_seconds(self) -> float:
+        if not self.audio:
+            return 0.0
+        if self.format == "pcm":
+            return len(self.audio) / 2 / self.sample_rate
+        decoded, rate = decode_audio(bytes(self.audio), self.format, sample_rate=self.sample_rate)
+        return len(decoded) / rate
+
+    @property
+    def rtf(self) -> float | None:
+        seconds = self.audio_seconds
+        return self.wall_s / seconds if seconds > 0 else None
+
+    def _receive(self, data: bytes) -> None:
+        self.chunks.append((time.perf_counter(), len(data)))
+        self.audio += data
+
+    def _fail(self, status: str, message: str, code: str | None = None) -> ClientResult:
+        self.status, self.error, self.code = status, message, code
+        return self
+
+
+def _sampling(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k in _SAMPLING_FIELDS and v is not None}
+
+
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _error_message(body: bytes) -> tuple[str, str | None]:
+    try:
+        error = json.loads(body)["error"]
+        return str(error["message"]), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:300] or "(empty body)", None
+
+
+async def synthesize_rest(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                          speed: float = 1.0, api_key: str | None = None, client: httpx.AsyncClient | None = None,
+                          timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
+    """POST /v1/audio/speech, streaming the body."""
+    body: dict[str, Any] = {"model": "orpheus", "input": text, "response_format": fmt, "speed": speed,
+                            **_sampling(sampling)}
+    if voice is not None:
+        body["voice"] = voice
+    result = ClientResult("rest", time.perf_counter(), format=fmt, text_chars=len(text))
+    own_client = client is None
+    http = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
+    try:
+        result.sent_s = time.perf_counter()
+        async with http.stream("POST", f"{base_url.rstrip('/')}/v1/audio/speech", json=body,
+                               headers=_auth_headers(api_key)) as response:
+            result.request_id = response.headers.get("x-request-id")
+            if response.status_code != 200:
+                message, code = _error_message(await response.aread())
+                status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
+                return result._fail(status, f"HTTP {response.status_code}: {message}", code or
+                                    str(response.status_code))
+            async for data in response.aiter_raw():
+                if data:
+                    result._receive(data)
+    except httpx.ConnectError as exc:
+        return result._fail("error", f"cannot connect to {base_url}: {exc} (is the server running?)", "connect")
+    except httpx.HTTPError as exc:
+        return result._fail("error", f"{type(exc).__name__} talking to {base_url}: {exc}", "transport")
+    finally:
+        if own_client:
+            await http.aclose()
+    return result
+
+
+def stream_url(base_url: str) -> str:
+    """http://host:port -> ws://host:port/v1/audio/stream (https -> wss)."""
+    parts = urlsplit(base_url)
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    return urlunsplit((scheme, parts.netloc, STREAM_PATH, "", ""))
+
+
+async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                        speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                        timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
+    """One request over a fresh WebSocket: binary audio messages until `done`."""
+    message: dict[str, Any] = {"text": text, "response_format": fmt, "speed": speed, "sample_rate": sample_rate,
+                               **_sampling(sampling)}
+    if voice is not None:
+        message["voice"] = voice
+    result = ClientResult("ws", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
+    url = stream_url(base_url)
+
+    async def exchange() -> ClientResult:
+        async with ws_connect(url, additional_headers=_auth_headers(api_key), max_size=None, open_timeout=30) as ws:
+            result.sent_s = time.perf_counter()
+            await ws.send(json.dumps(message))
+            async for frame in ws:
+                if isinstance(frame, bytes):
+                    result._receive(frame)
+                    continue
+                reply = json.loads(frame)
+                result.request_id = reply.get("request_id", result.request_id)
+                if reply.get("done"):
+                    result.metrics = reply.get("metrics")
+                    return result
+                if "error" in reply:
+                    error = reply["error"]
+                    status = "rejected" if error.get("code") in _REJECTED_CODES else "error"
+                    return result._fail(status, str(error.get("message")), error.get("code"))
+            return result._fail("error", "the server closed the WebSocket before the request finished", "closed")
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout_s)
+    except websockets.InvalidStatus as exc:
+        response = exc.response
+        message_text, code = _error_message(response.body or b"")
+        status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
+        return result._fail(status, f"HTTP {response.status_code}: {message_text}", code or str(response.status_code))
+    except (OSError, websockets.InvalidHandshake) as exc:
+        return result._fail("error", f"cannot connect to {url}: {exc} (is the server running?)", "connect")
+    except websockets.ConnectionClosed as exc:
+        return result._fail("error", f"WebSocket closed: {exc}", "closed")
+    except asyncio.TimeoutError:
+        return result._fail("error", f"no complete answer within {timeout_s:g}s", "timeout")
+
+
+async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                          speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                          channel: grpc.aio.Channel | None = None, timeout_s: float = 300.0,
+                          **sampling: Any) -> ClientResult:
+    """orpheus.v1.Synthesizer/Synthesize, server-streaming."""
+    options = _sampling(sampling)
+    request = pb.SynthesizeRequest(text=text, voice=voice or "", format=_GRPC_FORMATS[fmt],
+                                   sample_rate=sample_rate, speed=speed,
+                                   sampling=pb.SamplingOptions(**options) if options else None)
+    result = ClientResult("grpc", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
+    own_channel = channel is None
+    chan = channel if channel is not None else grpc.aio.insecure_channel(address)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    try:
+        stub = pb_grpc.SynthesizerStub(chan)
+        result.sent_s = time.perf_counter()
+        call = stub.Synthesize(request, metadata=metadata, timeout=timeout_s)
+        async for response in call:
+            if response.HasField("audio"):
+                result._receive(response.audio.audio)
+            else:
+                m = response.metrics
+                result.metrics = {"request_id": m.request_id, "ttfb_ms": m.ttfb_ms, "queue_ms": m.queue_ms,
+                                  "wall_ms": m.wall_ms, "audio_seconds": m.audio_seconds, "rtf": m.rtf,
+                                  "samples": m.samples, "tokens": m.tokens, "frames": m.frames,
+                                  "text_chunks": m.text_chunks, "finish_reason": m.finish_reason}
+                result.request_id = m.request_id
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE and not result.chunks and "connect" in (exc.details() or "").lower():
+            return result._fail("error", f"cannot connect to {address}: {exc.details()} (is the server running?)",
+                                "connect")
+        status = "rejected" if code in _REJECTED_GRPC else "error"
+        return result._fail(status, f"gRPC {code.name}: {exc.details()}", code.name)
+    finally:
+        if own_channel:
+            await chan.close()
+    return result
+
+
+async def synthesize(protocol: str, text: str, *, url: str = DEFAULT_URL, grpc_addr: str = DEFAULT_GRPC_ADDR,
+                     **kwargs: Any) -> ClientResult:
+    if protocol == "rest":
+        kwargs.pop("sample_rate", None)
+        return await synthesize_rest(url, text, **kwargs)
+    if protocol == "ws":
+        return await synthesize_ws(url, text, **kwargs)
+    if protocol == "grpc":
+        return await synthesize_grpc(grpc_addr, text, **kwargs)
+    raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+
+
+# ------------------------------------------------------------------------ CLI
+
+
+def _format_for(output: str, fmt: str | None) -> str:
+    if fmt is not None:
+        return fmt
+    ext = os.path.splitext(output)[1].lower().lstrip(".")
+    # A .wav output is requested as raw PCM and written with an exact-length header.
+    return {"wav": "pcm", "ogg": "opus"}.get(ext, ext if ext in AUDIO_FORMATS else "pcm")
+
+
+def write_output(path: str, result: ClientResult) -> None:
+    data = bytes(result.audio)
+    if path.lower().endswith(".wav") and result.format in ("pcm", "wav"):
+        pcm = data[44:] if result.format == "wav" else data
+        data = wav_header(result.sample_rate, num_samples=len(pcm) // 2) + pcm
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Synthesize speech with a running orpheus-serve server and "
+                                                 "report TTFB, audio seconds and real-time factor.")
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--voice", default=None, help="Orpheus voice or OpenAI alias (default: the server's)")
+    parser.add_argument("--output", default="out.wav", help="file to write (.wav gets an exact-length header)")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="rest")
+    parser.add_argument("--format", choices=AUDIO_FORMATS, default=None,
+                        help="audio format on the wire (default: from --output's extension, pcm for .wav)")
+    parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="ws and grpc only")
+    parser.add_argument("--url", default=DEFAULT_URL, help="HTTP base URL (rest and ws)")
+    parser.add_argument("--grpc-addr", default=DEFAULT_GRPC_ADDR)
+    parser.add_argument("--api-key", default=os.environ.get("ORPHEUS_API_KEY"),
+                        help="API key (default: $ORPHEUS_API_KEY)")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    fmt = _format_for(args.output, args.format)
+    result = asyncio.run(synthesize(
+        args.protocol, args.text, url=args.url, grpc_addr=args.grpc_addr, voice=args.voice, fmt=fmt,
+        speed=args.speed, sample_rate=args.sample_rate, api_key=args.api_key, temperature=args.temperature,
+        seed=args.seed, max_tokens=args.max_tokens))
+    if not result.ok:
+        hint = " (the server is busy or not ready; retry shortly)" if result.status == "rejected" else ""
+        print(f"error: {result.error}{hint}", file=sys.stderr)
+        return 2 if result.status == "rejected" else 1
+    write_output(args.output, result)
+    ttfb = result.ttfb_s
+    seconds = result.audio_seconds
+    print(f"protocol      {result.protocol} ({fmt})")
+    print(f"request id    {result.request_id}")
+    print(f"TTFB          {ttfb * 1000:.1f} ms" if ttfb is not None else "TTFB          (no audio)")
+    print(f"audio         {seconds:.3f} s in {len(result.chunks)} chunks, {len(result.audio)} bytes")
+    print(f"RTF           {result.rtf:.3f}" if result.rtf is not None else "RTF           n/a")
+    print(f"wrote         {args.output}")
+    return 0

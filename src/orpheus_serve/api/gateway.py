@@ -1,0 +1,367 @@
+"""What every protocol handler shares: admission, API keys, and one audio stream in flight.
+
+`Gateway` is built once per server and handed to the HTTP app, the WebSocket
+route and the gRPC servicer, so the connection limit, the counters and the
+metrics registry cover all three protocols. Handlers stay thin: they convert
+their wire types into a `SynthesisRequest` plus `OutputOptions`, call
+`Gateway.open_stream`, and frame the bytes `SpeechStream.audio()` yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from ..audio import AudioOptionError, AudioStreamEncoder, check_output_options
+from ..config import Config
+from ..metrics import ServingMetrics
+from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
+from ..synthesis import (
+    AudioChunk,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    SynthesisError,
+    SynthesisMetrics,
+    SynthesisRequest,
+)
+from .errors import TooManyConnectionsError, UnauthorizedError
+
+if TYPE_CHECKING:
+    from ..service import TTSService
+
+log = logging.getLogger(__name__)
+
+ProtocolName = Literal["rest", "ws", "grpc"]
+PROTOCOLS: tuple[ProtocolName, ...] = ("rest", "ws", "grpc")
+
+
+class SpeechService(Protocol):
+    """The part of `TTSService` the gateway uses."""
+
+    model_info: Any
+    ready: bool
+    accepting: bool
+
+    def validate(self, req: SynthesisRequest) -> SynthesisRequest: ...
+    def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
+    def stats(self) -> dict: ...
+    def add_observer(self, observer: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """How the client wants its audio: encoding, output sample rate, playback speed."""
+
+    format: str = "pcm"
+    sample_rate: int = SAMPLE_RATE
+    speed: float = 1.0
+
+
+class ConnectionLease:
+    """One slot of server.max_connections; `release()` is idempotent."""
+
+    def __init__(self, limiter: ConnectionLimiter) -> None:
+        self._limiter = limiter
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._limiter._open -= 1
+
+
+class ConnectionLimiter:
+    """Counts HTTP streams, WebSockets and gRPC calls against one global limit (event-loop only)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open = 0
+
+    @property
+    def open(self) -> int:
+        return self._open
+
+    def acquire(self) -> ConnectionLease:
+        if self._open >= self.limit:
+            raise TooManyConnectionsError(
+                f"the server has {self.limit} streams open (server.max_connections); retry shortly")
+        self._open += 1
+        return ConnectionLease(self)
+
+
+def voice_list() -> list[dict[str, Any]]:
+    """Every Orpheus voice with the OpenAI names accepted for it."""
+    return [{"id": v, "name": v.capitalize(), "aliases": sorted(a for a, t in OPENAI_VOICE_ALIASES.items() if t == v)}
+            for v in VOICES]
+
+
+class Gateway:
+    """Shared by all protocol handlers of one server."""
+
+    def __init__(self, service: SpeechService | TTSService, config: Config) -> None:
+        self.service = service
+        self.config = config
+        self.limiter = ConnectionLimiter(config.server.max_connections)
+        self._api_keys = [k.encode() for k in config.server.api_keys]
+        self._active: Counter[str] = Counter()
+        self._outcomes: Counter[tuple[str, str]] = Counter()
+        self.started_at = time.time()
+        self.metrics = ServingMetrics(service.stats, self.figures)
+        service.add_observer(self.metrics)
+
+    # ------------------------------------------------------------ admission
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self._api_keys)
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """Raise UnauthorizedError unless `authorization` is `Bearer <a configured key>` (or keys are off)."""
+        if not self._api_keys:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise UnauthorizedError("missing API key: send the header 'Authorization: Bearer <key>'")
+        candidate = token.strip().encode()
+        # Compare against every key so timing does not reveal which one nearly matched.
+        matched = False
+        for key in self._api_keys:
+            matched |= hmac.compare_digest(candidate, key)
+        if not matched:
+            raise UnauthorizedError("incorrect API key provided")
+
+    def prepare(self, request: SynthesisRequest, output: OutputOptions) -> tuple[SynthesisRequest, OutputOptions]:
+        """Validate both halves of a request; InvalidRequestError (with `param`) on anything wrong."""
+        try:
+            check_output_options(output.format, sample_rate=output.sample_rate, speed=output.speed)
+        except AudioOptionError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from None
+        return self.service.validate(request), output
+
+    def acquire_connection(self) -> ConnectionLease:
+        return self.limiter.acquire()
+
+    async def open_stream(self, request: SynthesisRequest, output: OutputOptions, protocol: ProtocolName, *,
+                          received_at: float, lease: ConnectionLease | None = None,
+                          disconnected: Callable[[], Awaitable[object]] | None = None) -> SpeechStream | None:
+        """Start synthesis and wait for its first item, so admission errors surface before any byte is sent.
+
+        Raises the service's SynthesisError (queue full, unavailable, ...).
+        Returns None when `disconnected()` returns first: the session is then
+        already cancelled and nothing is owed to the client.
+        """
+        try:
+            stream = SpeechStream(self, request, output, protocol, received_at=received_at, lease=lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        try:
+            if not (self.service.ready and self.service.accepting):
+                raise ServiceUnavailableError(
+                    "the server is warming up" if self.service.accepting else "the server is shutting down")
+            if not await stream.start(disconnected):
+                await stream.close()
+                return None
+        except BaseException as exc:
+            await stream.close(exc)
+            raise
+        return stream
+
+    # -------------------------------------------------------------- figures
+
+    def stream_opened(self, protocol: str) -> None:
+        self._active[protocol] += 1
+
+    def stream_closed(self, protocol: str, status: str) -> None:
+        self._active[protocol] -= 1
+        self.record(protocol, status)
+
+    def record(self, protocol: str, status: str) -> None:
+        """Count one request outcome (also the ones refused before a stream opened)."""
+        self._outcomes[(protocol, status)] += 1
+        self.metrics.request_done(protocol, status)
+
+    def figures(self) -> dict[str, Any]:
+        by_protocol: dict[str, dict[str, int]] = {p: {} for p in PROTOCOLS}
+        for (protocol, status), count in sorted(self._outcomes.items()):
+            by_protocol.setdefault(protocol, {})[status] = count
+        return {
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "open_connections": self.limiter.open,
+            "max_connections": self.limiter.limit,
+            "active_streams": {p: self._active[p] for p in PROTOCOLS},
+            "requests": by_protocol,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The service's snapshot plus the gateway's figures (GET /v1/stats)."""
+        return {**self.service.stats(), "gateway": self.figures()}
+
+
+_DONE = object()
+
+
+class SpeechStream:
+    """One synthesis in flight, encoded for its client.
+
+    A pump task consumes the service's generator and hands items over through
+    a queue, so the generator lives in a single task from start to finish
+    whichever task serves the client, and cancelling the pump is all it takes
+    to cancel the session (the generator is closed with it).
+    """
+
+    def __init__(self, gateway: Gateway, request: SynthesisRequest, output: OutputOptions,
+                 protocol: ProtocolName, *, received_at: float, lease: ConnectionLease | None) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.output = output
+        self.protocol = protocol
+        self.received_at = received_at
+        self.encoder = AudioStreamEncoder(output.format, sample_rate=output.sample_rate, speed=output.speed)
+        self.metrics: SynthesisMetrics | None = None
+        self.first_byte_s: float | None = None
+        self._lease = lease
+        self._queue: asyncio.Queue[AudioChunk | SynthesisMetrics | BaseException | object] = asyncio.Queue()
+        self._pump: asyncio.Task[None] | None = None
+        self._head: AudioChunk | SynthesisMetrics | BaseException | object | None = None
+        self._status: str | None = None
+        self._closed = False
+        gateway.stream_opened(protocol)
+
+    @property
+    def content_type(self) -> str:
+        return self.encoder.content_type
+
+    async def _run_pump(self) -> None:
+        items = self.gateway.service.synthesize(self.request)
+        try:
+            async for item in items:
+                self._queue.put_nowait(item)
+        except Exception as exc:  # handed to the consumer, which raises it in its own task
+            self._queue.put_nowait(exc)
+        else:
+            self._queue.put_nowait(_DONE)
+        finally:
+            await items.aclose()
+
+    async def start(self, disconnected: Callable[[], Awaitable[object]] | None = None) -> bool:
+        """Wait for the first item; raise its error if it is one. False if the client left first."""
+        self._pump = asyncio.create_task(self._run_pump(), name=f"speech-{self.request.request_id}")
+        first = asyncio.ensure_future(self._queue.get())
+        waiters: set[asyncio.Future[Any]] = {first}
+        watcher = None if disconnected is None else asyncio.ensure_future(disconnected())
+        if watcher is not None:
+            waiters.add(watcher)
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.cancel()
+        if not first.done() or first.cancelled():
+            self._status = "cancelled"
+            return False
+        head = first.result()
+        if isinstance(head, BaseException):
+            self._status = head.code if isinstance(head, SynthesisError) else "internal_error"
+            raise head
+        self._head = head
+        return True
+
+    async def audio(self) -> AsyncIterator[bytes]:
+        """Encoded bytes as they become ready (never empty); sets `metrics` when the stream is complete.
+
+        Raises SynthesisError when synthesis fails mid-stream.
+        """
+        item = self._head
+        self._head = None
+        while True:
+            if item is None:
+                item = await self._queue.get()
+            if item is _DONE:
+                raise RuntimeError(f"synthesis of {self.request.request_id} ended without final metrics")
+            if isinstance(item, BaseException):
+                self._status = item.code if isinstance(item, SynthesisError) else "internal_error"
+                raise item
+            if isinstance(item, SynthesisMetrics):
+                self.metrics = item
+                tail = self.encoder.flush()
+                self._status = "ok"
+                if tail:
+                    yield self._mark(tail)
+                return
+            assert isinstance(item, AudioChunk)
+            data = self.encoder.encode(item.pcm)
+            if data:
+                yield self._mark(data)
+            item = None
+
+    def _mark(self, data: bytes) -> bytes:
+        if self.first_byte_s is None:
+            self.first_byte_s = time.perf_counter() - self.received_at
+            self.gateway.metrics.first_byte(self.protocol, self.first_byte_s)
+        return data
+
+    def metrics_dict(self) -> dict[str, Any]:
+        """The service's metrics plus what the gateway saw, for final messages to the client."""
+        out: dict[str, Any] = self.metrics.as_dict() if self.metrics is not None else {"request_id":
+                                                                                         self.request.request_id}
+        out["gateway_ttfb_ms"] = None if self.first_byte_s is None else round(self.first_byte_s * 1000, 2)
+        out["format"] = self.output.format
+        out["sample_rate"] = self.output.sample_rate
+        out["speed"] = self.output.speed
+        out["bytes"] = self.encoder.bytes_out
+        return out
+
+    async def close(self, error: BaseException | None = None) -> None:
+        """Cancel the session if it is still running, free the connection slot, count the outcome. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        pump = self._pump
+        if pump is not None and not pump.done():
+            pump.cancel()
+            # Wait for the generator's cleanup (the service cancels the session there).
+            await asyncio.wait({pump})
+        if self._lease is not None:
+            self._lease.release()
+        if error is not None and not isinstance(error, asyncio.CancelledError):
+            status = error.code if isinstance(error, SynthesisError) else "internal_error"
+        else:
+            # "ok", the error audio() raised, or, if it never finished, the client went away.
+            status = self._status or "cancelled"
+        self.gateway.stream_closed(self.protocol, status)
+        if status not in ("ok", "cancelled"):
+            log.info("request %s (%s) ended: %s", self.request.request_id, self.protocol, status)
+
+
+def parse_error_param(loc: tuple[Any, ...] | list[Any], skip: tuple[str, ...] = ("body",)) -> str | None:
+    """`("body", "speed")` -> `"speed"`: the parameter a pydantic error points at."""
+    parts = [str(p) for p in loc if str(p) not in skip]
+    return ".".join(parts) or None
+
+
+def first_validation_error(errors: list[Mapping[str, Any]], skip: tuple[str, ...] = ("body",)
+                           ) -> InvalidRequestError:
+    """A pydantic error list -> one InvalidRequestError naming the first bad parameter."""
+    if not errors:
+        return InvalidRequestError("invalid request")
+    err = errors[0]
+    param = parse_error_param(err.get("loc", ()), skip)
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return InvalidRequestError("the request body is not valid JSON", param=None)
+    if kind == "extra_forbidden":
+        return InvalidRequestError(f"unrecognized request argument supplied: {param}", param=param)
+    if kind == "missing":
+        return InvalidRequestError(f"missing required parameter: {param}", param=param)
+    message = str(err.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
+    return InvalidRequestError(f"{param}: {message}" if param else message, param=param)

@@ -1,0 +1,291 @@
+"""The HTTP gateway: OpenAI-compatible `POST /v1/audio/speech` and the operational endpoints.
+
+`create_app(service, config)` builds the FastAPI app; the WebSocket route
+(websocket.py) lives on the same app. Every failure answers in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`, including the ones FastAPI
+and Starlette would otherwise answer themselves (422 becomes 400, 404, 405),
+and the two checks made before any route runs: the API key (401) and the body
+size (413).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import __version__
+from ..config import Config
+from ..metrics import PROMETHEUS_CONTENT_TYPE
+from ..synthesis import SynthesisError
+from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
+from .gateway import Gateway, SpeechService, SpeechStream, first_validation_error, voice_list
+from .schemas import SpeechRequestBody
+from .websocket import STREAM_PATH, add_stream_route
+
+log = logging.getLogger(__name__)
+
+SPEECH_PATH = "/v1/audio/speech"
+RECEIVED_AT_KEY = "orpheus.received_at"
+# Paths behind the API key; health, readiness and metrics stay open for probes and scrapers.
+PROTECTED_PREFIX = "/v1/"
+
+
+def _json_bytes(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def error_response(exc: SynthesisError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=mapping_for(exc).http_status, headers=http_headers(exc))
+
+
+async def _send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+    payload = _json_bytes(body)
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/ (HTTP and WebSocket) when server.api_keys is set.
+
+    Runs before routing and body parsing, so a request with a wrong key is
+    answered 401 without its body being read and never reaches the service.
+    """
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RECEIVED_AT_KEY] = time.perf_counter()
+        if scope["type"] not in ("http", "websocket") or not self.gateway.auth_required \
+                or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        try:
+            self.gateway.check_api_key(authorization)
+        except UnauthorizedError as exc:
+            if scope["path"] in (SPEECH_PATH, STREAM_PATH):
+                self.gateway.record("rest" if scope["type"] == "http" else "ws", exc.code)
+            if scope["type"] == "http":
+                await _send_json(send, 401, error_body(exc), {"WWW-Authenticate": "Bearer"})
+            else:
+                await _deny_websocket(scope, receive, send, 401, error_body(exc))
+            return
+        await self.app(scope, receive, send)
+
+
+async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: int, body: Any) -> None:
+    """Refuse a WebSocket handshake with an HTTP status (ASGI denial response) or, failing that, close 1008."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    if "websocket.http.response" in scope.get("extensions", {}):
+        payload = _json_bytes(body)
+        await send({"type": "websocket.http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": payload})
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": body["error"]["message"][:120]})
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over server.max_body_bytes, by Content-Length or by counting the bytes."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> dict[str, Any]:
+        return openai_error_body(f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)",
+                                 code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await _send_json(send, 413, self._too_large())
+            return
+        # Read the body here (bounded), then replay it: chunked uploads are counted too.
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await _send_json(send, 413, self._too_large())
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class SpeechResponse(StreamingResponse):
+    """Streams a SpeechStream and closes it however the response ends (done, error, client gone)."""
+
+    def __init__(self, stream: SpeechStream, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error: BaseException | None = None
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            # A client disconnect cancels the response task; the session must still be cancelled.
+            with anyio.CancelScope(shield=True):
+                await self.stream.close(error)
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + _json_bytes(event) + b"\n\n"
+
+
+async def _sse_events(stream: SpeechStream) -> AsyncIterator[bytes]:
+    """OpenAI's `speech.audio.delta` / `speech.audio.done` events; a failure mid-stream is an `error` event."""
+    try:
+        async for data in stream.audio():
+            yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+    except SynthesisError as exc:
+        log.warning("request %s failed mid-stream: %s", stream.request.request_id, exc)
+        yield _sse({"type": "error", "error": error_body(exc)["error"]})
+        return
+    metrics = stream.metrics_dict()
+    yield _sse({"type": "speech.audio.done",
+                "usage": {"output_tokens": metrics.get("tokens", 0), "total_tokens": metrics.get("tokens", 0),
+                          "audio_seconds": metrics.get("audio_seconds")},
+                "metrics": metrics})
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
+
+
+def create_app(service: SpeechService, config: Config, *, gateway: Gateway | None = None) -> FastAPI:
+    """The HTTP + WebSocket app. Pass `gateway` to share limits and metrics with a gRPC server."""
+    gateway = gateway if gateway is not None else Gateway(service, config)
+    app = FastAPI(title="orpheus-serve", version=__version__,
+                  description="Streaming Orpheus text-to-speech, OpenAI-compatible.")
+    app.state.gateway = gateway
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = first_validation_error(list(exc.errors()))
+        if error.param is None and str(error).startswith("missing required parameter"):
+            error = type(error)("the request body is missing; send a JSON object", param=None)
+        if request.url.path == SPEECH_PATH:
+            gateway.record("rest", error.code)
+        return error_response(error)
+
+    @app.exception_handler(SynthesisError)
+    async def _synthesis_error(request: Request, exc: SynthesisError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed for {request.url.path}"
+        return JSONResponse(openai_error_body(message, param=None, code=code), status_code=exc.status_code,
+                            headers=dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(openai_error_body("internal server error", type="server_error", code="internal_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if gateway.service.ready and gateway.service.accepting:
+            return JSONResponse({"status": "ready"})
+        status = "warming_up" if gateway.service.accepting else "shutting_down"
+        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = gateway.service.model_info
+        card = {"id": info.id, "object": "model", "created": int(gateway.started_at), "owned_by": "orpheus-serve",
+                "backend": info.backend, "model_path": info.model_path, "codec_path": info.codec_path,
+                "tiny": info.tiny, "warning": info.warning}
+        out: dict[str, Any] = {"object": "list", "data": [card]}
+        if info.tiny:
+            out["warning"] = info.warning or "serving the tiny random-weight model: the audio is noise"
+        return out
+
+    @app.get("/v1/audio/voices")
+    async def voices() -> dict[str, Any]:
+        return {"voices": voice_list()}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return gateway.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.post(SPEECH_PATH)
+    async def create_speech(body: SpeechRequestBody, request: Request) -> Response:
+        received_at = request.scope.get(RECEIVED_AT_KEY, time.perf_counter())
+        try:
+            synthesis_request, output = gateway.prepare(body.synthesis_request(), body.output_options())
+            lease = gateway.acquire_connection()
+        except SynthesisError as exc:
+            gateway.record("rest", exc.code)
+            raise
+        stream = await gateway.open_stream(synthesis_request, output, "rest", received_at=received_at, lease=lease,
+                                           disconnected=lambda: _client_disconnected(request))
+        if stream is None:
+            # The client left while queued; the session is cancelled and nobody reads this.
+            return Response(status_code=499)
+        headers = {"X-Request-Id": synthesis_request.request_id, "Cache-Control": "no-cache"}
+        if body.stream_format == "sse":
+            return SpeechResponse(stream, _sse_events(stream), media_type="text/event-stream", headers=headers)
+        return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)
+
+    add_stream_route(app, gateway)
+    # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
+    return app

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of orpheus.proto (regenerate with scripts/gen_proto.sh)."""

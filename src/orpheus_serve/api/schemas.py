@@ -1,0 +1,82 @@
+"""Wire models of the HTTP and WebSocket requests, and their conversion to service types.
+
+Strict: wrong JSON types are errors (no "1.5" -> 1.5 coercion, no NaN), and
+unknown fields are rejected the way OpenAI rejects them, so a typo never
+silently falls back to a default. Checks that depend on configuration (text
+length per profile, known voices, sampling bounds) belong to
+`TTSService.validate`; these models only check shape.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat
+from ..protocol import SAMPLE_RATE
+from ..synthesis import InvalidRequestError, SynthesisRequest
+from .gateway import OutputOptions
+
+
+class SpeechFields(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    input: str | None = Field(None, description="Text to speak.")
+    text: str | None = Field(None, description="Alias of `input`.")
+    voice: str | None = Field(None, description="Orpheus voice or OpenAI alias; default tara.")
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, description="Playback speed, pitch preserved.")
+    # Orpheus sampling extras; None takes the configured default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+
+    def speech_text(self) -> str:
+        if self.input is not None and self.text is not None and self.input != self.text:
+            raise InvalidRequestError("give the text in `input` or in `text`, not two different texts", param="text")
+        value = self.input if self.input is not None else self.text
+        if value is None:
+            raise InvalidRequestError("missing required parameter: input", param="input")
+        return value
+
+    def synthesis_request(self, request_id: str | None = None) -> SynthesisRequest:
+        extra: dict[str, str] = {}
+        if request_id is not None:
+            extra["request_id"] = request_id
+        if self.voice is not None:
+            extra["voice"] = self.voice
+        return SynthesisRequest(
+            text=self.speech_text(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=self.max_tokens,
+            seed=self.seed,
+            **extra,
+        )
+
+
+class SpeechRequestBody(SpeechFields):
+    """POST /v1/audio/speech (OpenAI's fields plus the Orpheus extras)."""
+
+    model: str = Field("orpheus", min_length=1, description="Accepted for compatibility; one model is served.")
+    response_format: AudioFormat = "mp3"
+    stream_format: Literal["audio", "sse"] = "audio"
+
+    def output_options(self) -> OutputOptions:
+        return OutputOptions(format=self.response_format, sample_rate=SAMPLE_RATE, speed=self.speed)
+
+
+class StreamRequestMessage(SpeechFields):
+    """One request on WS /v1/audio/stream."""
+
+    response_format: AudioFormat = "pcm"
+    sample_rate: int = Field(SAMPLE_RATE, ge=MIN_SAMPLE_RATE, le=MAX_SAMPLE_RATE)
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+
+    def output_options(self) -> OutputOptions:
+        return OutputOptions(format=self.response_format, sample_rate=self.sample_rate, speed=self.speed)

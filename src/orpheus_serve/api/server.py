@@ -1,0 +1,234 @@
+"""One process, one asyncio loop: uvicorn (HTTP + WebSocket) and grpc.aio in front of one TTSService.
+
+Start-up order: bind both ports (so /health answers and /ready says
+`warming_up` at once), then `service.start()` warms the model, then /ready and
+the gRPC health service turn to serving. Shutdown (SIGTERM/SIGINT in
+production_server.py, or `OrpheusServer.shutdown()`): stop admitting (new
+requests get 503 / UNAVAILABLE), let in-flight streams finish within
+server.shutdown_grace_s, cancel the rest, then close the listeners.
+
+`OrpheusServer` is usable in-process with port 0 (tests, benchmarks): the
+bound ports are in `http_port` / `grpc_port` once `start()` returns.
+`ServerThread` runs one on a loop of its own in a background thread, for
+synchronous callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Coroutine, Generator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import uvicorn
+
+from ..config import Config
+from .gateway import Gateway
+from .grpc_server import GrpcGateway
+from .http import create_app
+
+if TYPE_CHECKING:
+    from ..service import TTSService
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long uvicorn waits for connections after the service has drained: only idle keep-alives are left by then.
+_LISTENER_CLOSE_S = 2.0
+
+
+class _UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # Signals belong to OrpheusServer, which drains the service before uvicorn stops.
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def tiny_model_banner(info: Any) -> str:
+    warning = info.warning or "the audio is noise, not speech"
+    line = "!" * 78
+    return (f"\n{line}\n!! SERVING THE TINY RANDOM-WEIGHT MODEL ({info.model_path}): {warning}\n"
+            f"!! Put real weights in models/ (scripts/download_models.py) to serve speech.\n{line}")
+
+
+class OrpheusServer:
+    def __init__(self, config: Config, service: TTSService | None = None) -> None:
+        if service is None:
+            from ..service import TTSService
+
+            service = TTSService.from_config(config)
+        self.config = config
+        self.service = service
+        self.gateway = Gateway(service, config)
+        self.app = create_app(service, config, gateway=self.gateway)
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._uvicorn: _UvicornServer | None = None
+        self._uvicorn_task: asyncio.Task[None] | None = None
+        self._grpc: GrpcGateway | None = None
+        self._shutdown: asyncio.Task[None] | None = None
+
+    @property
+    def host(self) -> str:
+        return self.config.server.host
+
+    async def start(self) -> None:
+        """Bind and serve both listeners, then warm the service up; returns once /ready is true."""
+        server_cfg = self.config.server
+        info = self.service.model_info
+        if info.tiny:
+            log.warning(tiny_model_banner(info))
+        sock = _bind(server_cfg.host, server_cfg.http_port)
+        self.http_port = sock.getsockname()[1]
+        uv_config = uvicorn.Config(
+            self.app, log_level=server_cfg.log_level, lifespan="off", ws="websockets-sansio",
+            ws_max_size=server_cfg.max_body_bytes, timeout_graceful_shutdown=_LISTENER_CLOSE_S,
+            access_log=server_cfg.log_level == "debug")
+        self._uvicorn = _UvicornServer(uv_config)
+        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")
+        self._grpc = GrpcGateway(self.gateway, server_cfg.host, server_cfg.grpc_port)
+        self.grpc_port = self._grpc.port
+        await self._grpc.start()
+        log.info("listening: HTTP/WebSocket on %s:%d, gRPC on %s:%d (model %s, backend %s); warming up",
+                 server_cfg.host, self.http_port, server_cfg.host, self.grpc_port, info.id, info.backend)
+        await self.service.start()
+        if self._uvicorn_task.done():
+            # uvicorn failed to start: surface its error instead of serving gRPC alone.
+            await self._uvicorn_task
+        await self._grpc.set_serving(True)
+        log.info("ready")
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Graceful stop; concurrent and repeated calls share one shutdown."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.create_task(self._do_shutdown(grace_s), name="shutdown")
+        await asyncio.shield(self._shutdown)
+
+    async def _do_shutdown(self, grace_s: float | None) -> None:
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        log.info("shutting down: no new requests; in-flight streams get %.1fs to finish", grace)
+        if self._grpc is not None:
+            await self._grpc.set_serving(False)
+        await self.service.shutdown(grace)
+        if self._uvicorn is not None and self._uvicorn_task is not None:
+            self._uvicorn.should_exit = True
+            await self._uvicorn_task
+        if self._grpc is not None:
+            await self._grpc.stop(_LISTENER_CLOSE_S)
+        log.info("stopped")
+
+    async def __aenter__(self) -> OrpheusServer:
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown(0)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    async def serve_until_signalled(self) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully (the production entry point)."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                log.warning("%s again: already shutting down", sig.name)
+                return
+            log.info("%s received", sig.name)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            async with self:
+                await stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+
+def run_server(config: Config) -> int:
+    """Build the service from config and serve until a signal (production_server.py)."""
+    asyncio.run(OrpheusServer(config).serve_until_signalled())
+    return 0
+
+
+class ServerThread:
+    """An OrpheusServer on its own event loop in a background thread (tests, benchmarks, notebooks).
+
+        with ServerThread(config, service) as server:
+            httpx.get(f"http://127.0.0.1:{server.http_port}/ready")
+    """
+
+    def __init__(self, config: Config, service: TTSService | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="orpheus-server", daemon=True)
+        self._thread.start()
+        self.server: OrpheusServer = self.call(self._build(config, service))
+
+    @staticmethod
+    async def _build(config: Config, service: TTSService | None) -> OrpheusServer:
+        # Built on the server's loop: the service may bind loop-affine state in its constructor.
+        return OrpheusServer(config, service)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 120.0) -> T:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def http_port(self) -> int:
+        assert self.server.http_port is not None
+        return self.server.http_port
+
+    @property
+    def grpc_port(self) -> int:
+        assert self.server.grpc_port is not None
+        return self.server.grpc_port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self) -> ServerThread:
+        self.call(self.server.start())
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        try:
+            self.call(self.server.shutdown(grace_s))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+
+    def __enter__(self) -> ServerThread:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop(0)
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

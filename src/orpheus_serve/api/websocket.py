@@ -1,0 +1,242 @@
+"""`WebSocket /v1/audio/stream`: many requests over one socket, audio as binary messages.
+
+Client -> server, JSON text messages:
+    {"text": "...", "voice": "tara", "response_format": "pcm", "sample_rate": 24000, "speed": 1.0,
+     "temperature": ..., "seed": ..., "request_id": "..."}   a request (queued if one is running)
+    {"cancel": true}                                           stop the running request
+
+Server -> client:
+    binary messages                          the running request's audio, in order
+    {"done": true, "request_id", "metrics"}  it finished
+    {"cancelled": true, "request_id"}        it was cancelled
+    {"error": {...}, "request_id"}           OpenAI-shaped error; the socket stays usable
+
+Requests run one at a time in arrival order. A message that is not a JSON
+object (binary data, broken JSON) gets an error message, never a closed
+socket. Disconnecting cancels the running request and drops queued ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
+from .errors import RequestLimitError, TooManyConnectionsError, error_body
+from .gateway import Gateway, first_validation_error
+from .schemas import StreamRequestMessage
+
+if TYPE_CHECKING:
+    from starlette.types import Message
+
+log = logging.getLogger(__name__)
+
+STREAM_PATH = "/v1/audio/stream"
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_POLICY_VIOLATION = 1008
+
+
+@dataclass(frozen=True, slots=True)
+class _Incoming:
+    message: Message | None  # None: the client disconnected
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    request: StreamRequestMessage
+    received_at: float
+
+
+class StreamConnection:
+    """One WebSocket: a reader task feeding an inbox, and at most one request streaming at a time."""
+
+    def __init__(self, websocket: WebSocket, gateway: Gateway) -> None:
+        self.ws = websocket
+        self.gateway = gateway
+        self.max_requests = gateway.config.server.max_ws_requests_per_connection
+        self._send_lock = asyncio.Lock()
+        self._inbox: asyncio.Queue[_Incoming] = asyncio.Queue()
+        self._queued: deque[_Job] = deque()
+        self._current: asyncio.Task[None] | None = None
+        self._current_id: str | None = None
+        self._accepted = 0
+
+    async def _send_json(self, body: dict[str, Any]) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(json.dumps(body, separators=(",", ":")))
+
+    async def _send_bytes(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.ws.send_bytes(data)
+
+    async def _send_error(self, exc: SynthesisError, request_id: str | None = None) -> None:
+        await self._send_json({**error_body(exc), "request_id": request_id})
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                self._inbox.put_nowait(_Incoming(None, time.perf_counter()))
+                return
+            self._inbox.put_nowait(_Incoming(message, time.perf_counter()))
+
+    async def run(self) -> None:
+        try:
+            lease = self.gateway.acquire_connection()
+        except TooManyConnectionsError as exc:
+            self.gateway.record("ws", exc.code)
+            await self.ws.accept()
+            await self._send_error(exc)
+            await self.ws.close(CLOSE_TRY_AGAIN_LATER)
+            return
+        reader: asyncio.Task[None] | None = None
+        try:
+            await self.ws.accept()
+            reader = asyncio.create_task(self._read(), name="ws-reader")
+            await self._serve()
+        finally:
+            for task in (self._current, reader):
+                if task is not None and not task.done():
+                    task.cancel()
+            pending = {t for t in (self._current, reader) if t is not None}
+            if pending:
+                await asyncio.wait(pending)
+            lease.release()
+
+    async def _serve(self) -> None:
+        next_message = asyncio.create_task(self._inbox.get())
+        try:
+            while True:
+                waiters: set[asyncio.Task[Any]] = {next_message}
+                if self._current is not None:
+                    waiters.add(self._current)
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                if self._current is not None and self._current in done and not self._finish_current():
+                    return
+                if next_message in done:
+                    incoming = next_message.result()
+                    if incoming.message is None:
+                        return
+                    next_message = asyncio.create_task(self._inbox.get())
+                    if not await self._handle(incoming):
+                        return
+                if self._current is None and self._queued:
+                    self._start(self._queued.popleft())
+        finally:
+            next_message.cancel()
+
+    def _finish_current(self) -> bool:
+        """Reap the finished request task; False if the socket is gone."""
+        task, self._current, self._current_id = self._current, None, None
+        assert task is not None
+        if task.cancelled():
+            return True
+        exc = task.exception()
+        if exc is None:
+            return True
+        if isinstance(exc, WebSocketDisconnect | OSError):
+            return False
+        raise exc
+
+    def _start(self, job: _Job) -> None:
+        # The service's request id is always the server's own; a client's id is only echoed back.
+        synthesis_request = job.request.synthesis_request()
+        self._current_id = job.request.request_id or synthesis_request.request_id
+        self._current = asyncio.create_task(self._stream(job, synthesis_request, self._current_id),
+                                            name=f"ws-{synthesis_request.request_id}")
+
+    async def _handle(self, incoming: _Incoming) -> bool:
+        """Act on one client message; False when the connection must close."""
+        message = incoming.message
+        assert message is not None
+        if message.get("text") is None:
+            await self._send_error(InvalidRequestError(
+                "binary messages are not accepted; send requests as JSON text messages", param=None))
+            return True
+        try:
+            body = json.loads(message["text"])
+        except json.JSONDecodeError as exc:
+            await self._send_error(InvalidRequestError(f"message is not valid JSON: {exc.msg}", param=None))
+            return True
+        if not isinstance(body, dict):
+            await self._send_error(InvalidRequestError("a message must be a JSON object", param=None))
+            return True
+        if "cancel" in body:
+            await self._cancel(body)
+            return True
+        request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+        try:
+            request = StreamRequestMessage.model_validate(body)
+            request.speech_text()
+        except ValidationError as exc:
+            error = first_validation_error(list(exc.errors()), skip=())
+            self.gateway.record("ws", error.code)
+            await self._send_error(error, request_id)
+            return True
+        except InvalidRequestError as exc:
+            self.gateway.record("ws", exc.code)
+            await self._send_error(exc, request_id)
+            return True
+        if self._accepted >= self.max_requests:
+            error = RequestLimitError(f"this connection has served its {self.max_requests} requests "
+                                      "(server.max_ws_requests_per_connection); open a new one")
+            self.gateway.record("ws", error.code)
+            await self._send_error(error, request_id)
+            await self.ws.close(CLOSE_POLICY_VIOLATION)
+            return False
+        self._accepted += 1
+        self._queued.append(_Job(request, incoming.received_at))
+        return True
+
+    async def _cancel(self, body: dict[str, Any]) -> None:
+        if body.get("cancel") is not True or len(body) > 1:
+            await self._send_error(InvalidRequestError('a cancel message is exactly {"cancel": true}',
+                                                       param="cancel"))
+            return
+        if self._current is None:
+            await self._send_json({"cancelled": False, "request_id": None, "message": "no request is running"})
+            return
+        task, request_id = self._current, self._current_id
+        task.cancel()
+        await asyncio.wait({task})
+        self._finish_current()
+        await self._send_json({"cancelled": True, "request_id": request_id})
+
+    async def _stream(self, job: _Job, synthesis_request: SynthesisRequest, request_id: str) -> None:
+        """Serve one request to the end; its errors become error messages."""
+        try:
+            prepared, output = self.gateway.prepare(synthesis_request, job.request.output_options())
+        except SynthesisError as exc:
+            self.gateway.record("ws", exc.code)
+            await self._send_error(exc, request_id)
+            return
+        try:
+            stream = await self.gateway.open_stream(prepared, output, "ws", received_at=job.received_at)
+        except SynthesisError as exc:
+            await self._send_error(exc, request_id)
+            return
+        assert stream is not None
+        try:
+            async for data in stream.audio():
+                await self._send_bytes(data)
+        except SynthesisError as exc:
+            await self._send_error(exc, request_id)
+            return
+        finally:
+            await stream.close()
+        await self._send_json({"done": True, "request_id": request_id, "metrics": stream.metrics_dict()})
+
+
+def add_stream_route(app: FastAPI, gateway: Gateway) -> None:
+    @app.websocket(STREAM_PATH)
+    async def audio_stream(websocket: WebSocket) -> None:
+        await StreamConnection(websocket, gateway).run()

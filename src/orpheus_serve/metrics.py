@@ -1,0 +1,132 @@
+"""Prometheus metrics with vLLM-style names (`orpheus:...`), one registry per app.
+
+Two sources feed it:
+
+- a collector that reads `TTSService.stats()` at scrape time (running and
+  waiting requests, KV-cache usage, tokens and engine steps), so the gauges
+  are never stale and nothing polls in the background;
+- an observer registered with the service (`on_first_audio`,
+  `on_request_finished`, ...) for the per-request histograms, plus the
+  gateway's own figures (requests by protocol and status, time to first byte
+  written, open streams).
+
+Nothing registers into prometheus_client's global registry, so several apps
+(tests, benchmarks) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .synthesis import SynthesisMetrics
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Latency buckets tuned for TTFB targets around 100 ms, with room for CPU runs.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+class _ServiceStatsCollector(Collector):
+    """Gauges and counters read from the service's stats snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], gateway_figures: Callable[[], Mapping[str, Any]]):
+        self._stats = stats
+        self._gateway_figures = gateway_figures
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        scheduler = stats["scheduler"]
+        kv = stats["kv_cache"]
+        yield GaugeMetricFamily("orpheus:num_requests_running", "Sessions holding a KV-cache slot.",
+                                value=scheduler["active_sessions"])
+        yield GaugeMetricFamily("orpheus:num_requests_waiting", "Sessions waiting for a KV-cache slot.",
+                                value=scheduler["pending_sessions"])
+        yield GaugeMetricFamily("orpheus:max_concurrent_sessions", "KV-cache slots pre-allocated at start-up.",
+                                value=scheduler["max_concurrent"])
+        slots = kv["used_slots"] + kv["free_slots"]
+        yield GaugeMetricFamily("orpheus:kv_cache_usage_perc", "Fraction of KV-cache slots in use (1 = full).",
+                                value=kv["used_slots"] / slots if slots else 0.0)
+        yield CounterMetricFamily("orpheus:generation_tokens", "Audio tokens generated.",
+                                  value=stats["total_tokens"])
+        yield CounterMetricFamily("orpheus:engine_steps", "Engine steps (micro-batches) run.",
+                                  value=stats["total_batches"])
+        gateway = self._gateway_figures()
+        streams = GaugeMetricFamily("orpheus:active_streams", "Audio streams open at the gateway.",
+                                    labels=["protocol"])
+        for protocol, count in gateway["active_streams"].items():
+            streams.add_metric([protocol], count)
+        yield streams
+        yield GaugeMetricFamily("orpheus:open_connections",
+                                "Streams counted against server.max_connections (HTTP streams, WebSockets, gRPC calls).",
+                                value=gateway["open_connections"])
+
+
+class ServingMetrics:
+    """The app's registry, the service observer, and the gateway's counters."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]],
+                 gateway_figures: Callable[[], Mapping[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_audio = Histogram(
+            "orpheus:time_to_first_audio_seconds", "Request admitted by the service -> first audio chunk ready.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_to_first_byte = Histogram(
+            "orpheus:time_to_first_byte_seconds", "Request received by the gateway -> first audio byte written.",
+            ["protocol"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "orpheus:request_queue_time_seconds", "Time spent waiting for a KV-cache slot.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(
+            "orpheus:e2e_request_latency_seconds", "Request received -> last audio chunk.",
+            buckets=_E2E_BUCKETS, registry=r)
+        self.real_time_factor = Histogram(
+            "orpheus:request_real_time_factor", "Generation wall time / audio duration per request (< 1 is faster "
+            "than real time).", buckets=_RTF_BUCKETS, registry=r)
+        self.audio_seconds = Counter("orpheus:audio_seconds", "Seconds of audio generated.", registry=r)
+        self.requests_queued = Counter("orpheus:requests_queued", "Requests admitted to the service queue.",
+                                       registry=r)
+        self.requests_rejected = Counter("orpheus:requests_rejected", "Requests the service refused, by reason.",
+                                         ["reason"], registry=r)
+        self.finished = Counter("orpheus:requests_finished", "Requests the service finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.requests = Counter("orpheus:requests", "Requests seen by the gateway, by protocol and outcome.",
+                                ["protocol", "status"], registry=r)
+        r.register(_ServiceStatsCollector(stats, gateway_figures))
+
+    # ------------------------------------------------ service observer interface
+
+    def on_request_queued(self, request_id: str) -> None:
+        self.requests_queued.inc()
+
+    def on_first_audio(self, request_id: str, ttfb_s: float, queue_s: float) -> None:
+        self.time_to_first_audio.observe(ttfb_s)
+        self.queue_time.observe(queue_s)
+
+    def on_request_finished(self, metrics: SynthesisMetrics) -> None:
+        self.finished.labels(metrics.finish_reason).inc()
+        self.e2e_latency.observe(metrics.wall_s)
+        if metrics.audio_seconds > 0:
+            self.audio_seconds.inc(metrics.audio_seconds)
+            self.real_time_factor.observe(metrics.rtf)
+
+    def on_request_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(reason).inc()
+
+    # ---------------------------------------------------------- gateway figures
+
+    def request_done(self, protocol: str, status: str) -> None:
+        self.requests.labels(protocol, status).inc()
+
+    def first_byte(self, protocol: str, seconds: float) -> None:
+        self.time_to_first_byte.labels(protocol).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
