@@ -54,9 +54,18 @@ class SchedulerConfig(_Strict):
         return self
 
 
+class SimCodecConfig(_Strict):
+    base_ms: float = Field(1.5, ge=0)  # per batched forward pass
+    per_frame_ms: float = Field(0.25, ge=0)
+    realtime: bool = True
+
+
 class CodecConfig(_Strict):
     path: str = "models/snac_24khz"
-    decoder: Literal["stateful", "windowed"] = "stateful"
+    # stateful: exact, each frame decoded once; windowed: overlapping windows (fallback);
+    # reference: the reference implementation's 4-frame window per frame (baseline mode);
+    # sim: no SNAC, exact-length tone with a modelled GPU cost (capacity simulation only)
+    decoder: Literal["stateful", "windowed", "reference", "sim"] = "stateful"
     left_context_frames: int = Field(2, ge=0, le=16)
     lookahead_frames: int = Field(2, ge=0, le=16)
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
@@ -65,6 +74,7 @@ class CodecConfig(_Strict):
     seed: int | None = None
     compile: bool = False
     max_batch: int = Field(64, ge=1)
+    sim: SimCodecConfig = SimCodecConfig()
 
 
 class TensorRTConfig(_Strict):
@@ -280,3 +290,20 @@ def resolve_dtype(dtype: str, device: str, *, cuda_default: str = "bf16") -> str
     if dtype != "auto":
         return dtype
     return cuda_default if device.startswith("cuda") else "fp32"
+
+
+def apply_engine_mode(config: Config) -> Config:
+    """`engine.mode: baseline` serves the way the reference implementation does, for side-by-side
+    benchmarks: one request at a time (one slot, batch 1, the rest queue), a 4-frame SNAC window
+    decoded every 7 tokens (`codec.decoder: reference`). `batched` returns the config unchanged."""
+    if config.engine.mode == "batched":
+        return config
+    scheduler = config.scheduler.model_copy(update={
+        "max_concurrent_sessions": 1,
+        "max_batch_size": 1,
+        "flush_first_n_tokens": 7,
+        "flush_every_n_tokens": 7,
+        "queue_timeout_s": max(config.scheduler.queue_timeout_s, 600.0),
+    })
+    codec = config.codec.model_copy(update={"decoder": "reference"})
+    return config.model_copy(update={"scheduler": scheduler, "codec": codec})

@@ -1,0 +1,1 @@
+"""Client-side benchmarking: workloads, per-stream measurements, modes, plots (see benchmark.py)."""

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from orpheus_serve.benchmarking.streams import BYTES_PER_SECOND, StreamRecord, percentile, summarize
+from orpheus_serve.benchmarking.workload import make_workload
+
+
+def chunk(seconds: float) -> int:
+    return int(seconds * BYTES_PER_SECOND)
+
+
+def test_realtime_stream_has_no_underrun() -> None:
+    r = StreamRecord("rest", sent_s=0.0, chunks=[(0.1, chunk(0.5)), (0.5, chunk(0.5)), (0.9, chunk(0.5))])
+    assert r.ttfb_s == 0.1
+    assert r.underruns() == (0, 0.0)
+    assert r.realtime
+    assert abs(r.audio_seconds - 1.5) < 1e-9
+
+
+def test_late_chunk_is_an_underrun_with_its_stall() -> None:
+    # 0.5 s arrives at 0.1 -> playable until 0.6; next chunk arrives at 0.8: 0.2 s stall
+    r = StreamRecord("ws", sent_s=0.0, chunks=[(0.1, chunk(0.5)), (0.8, chunk(0.5)), (1.2, chunk(0.5))])
+    count, stall = r.underruns()
+    assert count == 1 and abs(stall - 0.2) < 1e-6
+    assert not r.realtime
+
+
+def test_summary_counts_and_percentiles() -> None:
+    good = StreamRecord("rest", 0.0, [(0.05, chunk(1.0))])
+    late = StreamRecord("grpc", 0.0, [(0.2, chunk(0.1)), (1.0, chunk(0.1))])
+    rejected = StreamRecord("rest", 0.0, status="rejected")
+    s = summarize([good, late, rejected], wall_s=2.0)
+    assert (s["requests"], s["succeeded"], s["rejected"]) == (3, 2, 1)
+    assert s["realtime_streams"] == 1 and s["underrun_streams"] == 1
+    assert s["audio_seconds_per_second"] == round(1.2 / 2.0, 4)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+
+
+def test_workload_is_seeded() -> None:
+    assert make_workload(20, seed=3) == make_workload(20, seed=3)
+    assert make_workload(20, seed=3) != make_workload(20, seed=4)
