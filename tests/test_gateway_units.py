@@ -1,0 +1,171 @@
+"""Gateway pieces that need no server: error mapping, wire models, proto conversion, API keys, limits."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from orpheus_serve.api.errors import (
+    RequestLimitError,
+    TooManyConnectionsError,
+    UnauthorizedError,
+    error_body,
+    grpc_status,
+    http_headers,
+    mapping_for,
+)
+from orpheus_serve.api.gateway import ConnectionLimiter, first_validation_error, voice_list
+from orpheus_serve.api.grpc_server import metrics_to_proto, request_from_proto
+from orpheus_serve.api.proto import orpheus_pb2 as pb
+from orpheus_serve.api.schemas import SpeechRequestBody, StreamRequestMessage
+from orpheus_serve.protocol import OPENAI_VOICE_ALIASES, VOICES
+from orpheus_serve.synthesis import (
+    EngineFailureError,
+    InvalidRequestError,
+    QueueFullError,
+    ServiceUnavailableError,
+    SynthesisMetrics,
+    SynthesisTimeoutError,
+)
+
+
+@pytest.mark.parametrize("exc,status,grpc_code", [
+    (InvalidRequestError("bad", param="input"), 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnauthorizedError("no"), 401, grpc.StatusCode.UNAUTHENTICATED),
+    (RequestLimitError("enough"), 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QueueFullError("full", retry_after_s=2.4), 503, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManyConnectionsError("busy"), 503, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ServiceUnavailableError("warming"), 503, grpc.StatusCode.UNAVAILABLE),
+    (SynthesisTimeoutError("slow"), 504, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineFailureError("boom"), 500, grpc.StatusCode.INTERNAL),
+])
+def test_every_service_error_maps_to_a_status_and_a_grpc_code(exc, status, grpc_code) -> None:
+    assert mapping_for(exc).http_status == status
+    assert grpc_status(exc)[0] == grpc_code
+    body = error_body(exc)
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == exc.code
+    assert body["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error")
+
+
+def test_retryable_errors_carry_retry_after() -> None:
+    assert http_headers(QueueFullError("full", retry_after_s=2.4)) == {"Retry-After": "2"}
+    assert http_headers(QueueFullError("full", retry_after_s=0.1)) == {"Retry-After": "1"}
+    assert "Retry-After" in http_headers(ServiceUnavailableError("warming"))
+    assert http_headers(InvalidRequestError("bad")) == {}
+
+
+def test_error_body_names_the_parameter() -> None:
+    assert error_body(InvalidRequestError("too long", param="input"))["error"]["param"] == "input"
+
+
+def _rest_error(body: dict) -> InvalidRequestError:
+    with pytest.raises(ValidationError) as info:
+        SpeechRequestBody.model_validate(body)
+    return first_validation_error(list(info.value.errors()), skip=())
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "response_format": "ogg"}, "response_format"),
+    ({"input": "hi", "speed": 0.1}, "speed"),
+    ({"input": "hi", "speed": "fast"}, "speed"),
+    ({"input": "hi", "speed": float("nan")}, "speed"),
+    ({"input": 42}, "input"),
+    ({"input": "hi", "voice": 3}, "voice"),
+    ({"input": "hi", "seed": 1.5}, "seed"),
+    ({"input": "hi", "seed": True}, "seed"),
+    ({"input": "hi", "stream_format": "chunks"}, "stream_format"),
+    ({"input": "hi", "bogus": 1}, "bogus"),
+    ({"input": "hi", "model": ""}, "model"),
+])
+def test_speech_body_shape_errors_name_the_parameter(body: dict, param: str) -> None:
+    assert _rest_error(body).param == param
+
+
+def test_speech_body_converts_to_service_types() -> None:
+    body = SpeechRequestBody.model_validate({"model": "tts-1", "input": "Hello.", "voice": "nova",
+                                             "response_format": "opus", "speed": 1.25, "temperature": 0,
+                                             "seed": 7, "max_tokens": 70})
+    request = body.synthesis_request()
+    assert (request.text, request.voice, request.temperature, request.seed, request.max_tokens) == \
+        ("Hello.", "nova", 0, 7, 70)
+    output = body.output_options()
+    assert (output.format, output.sample_rate, output.speed) == ("opus", 24000, 1.25)
+    # `text` is an alias of `input`; the default voice is the service's.
+    alias = SpeechRequestBody.model_validate({"text": "Hi."}).synthesis_request()
+    assert alias.text == "Hi." and alias.voice == "tara"
+    assert SpeechRequestBody.model_validate({"input": "x"}).response_format == "mp3"  # OpenAI's default
+
+
+def test_speech_text_needs_exactly_one_text() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SpeechRequestBody.model_validate({"model": "tts-1"}).synthesis_request()
+    assert info.value.param == "input"
+    with pytest.raises(InvalidRequestError):
+        SpeechRequestBody.model_validate({"input": "a", "text": "b"}).synthesis_request()
+    assert SpeechRequestBody.model_validate({"input": "a", "text": "a"}).synthesis_request().text == "a"
+
+
+def test_stream_message_defaults_to_pcm_and_takes_a_sample_rate() -> None:
+    message = StreamRequestMessage.model_validate({"text": "Hi", "sample_rate": 16000, "request_id": "abc"})
+    assert message.output_options().format == "pcm"
+    assert message.output_options().sample_rate == 16000
+    with pytest.raises(ValidationError):
+        StreamRequestMessage.model_validate({"text": "Hi", "sample_rate": 1000})
+
+
+def test_proto_request_converts_with_defaults_and_optional_sampling() -> None:
+    request, output = request_from_proto(pb.SynthesizeRequest(
+        text="Hello", voice="leo", format=pb.AUDIO_FORMAT_FLAC, sample_rate=16000, speed=1.5,
+        sampling=pb.SamplingOptions(temperature=0.0, seed=3)))
+    assert (request.text, request.voice, request.temperature, request.seed, request.top_p) == ("Hello", "leo", 0.0, 3,
+                                                                                                None)
+    assert (output.format, output.sample_rate, output.speed) == ("flac", 16000, 1.5)
+    request, output = request_from_proto(pb.SynthesizeRequest(text="Hi"))
+    assert request.voice == "tara" and request.temperature is None
+    assert (output.format, output.sample_rate, output.speed) == ("pcm", 24000, 1.0)
+
+
+def test_proto_unknown_fields_and_enum_values_are_invalid() -> None:
+    raw = pb.SynthesizeRequest(text="hi").SerializeToString() + b"\x98\x06\x01"  # field 99, varint 1
+    with pytest.raises(InvalidRequestError, match="99"):
+        request_from_proto(pb.SynthesizeRequest.FromString(raw))
+    nested = pb.SamplingOptions(top_p=0.5).SerializeToString() + b"\x98\x06\x01"
+    raw = pb.SynthesizeRequest(text="hi").SerializeToString() + b"\x32" + bytes([len(nested)]) + nested
+    with pytest.raises(InvalidRequestError) as info:
+        request_from_proto(pb.SynthesizeRequest.FromString(raw))
+    assert info.value.param == "sampling"
+    raw = pb.SynthesizeRequest(text="hi").SerializeToString() + b"\x18\x63"  # format = 99
+    with pytest.raises(InvalidRequestError) as info:
+        request_from_proto(pb.SynthesizeRequest.FromString(raw))
+    assert info.value.param in ("format", "SynthesizeRequest")
+
+
+def test_metrics_to_proto_round_trip() -> None:
+    metrics = SynthesisMetrics(request_id="r1", ttfb_s=0.05, wall_s=1.0, audio_seconds=2.0, samples=48000,
+                               tokens=560, frames=80, text_chunks=1)
+    message = metrics_to_proto(metrics.as_dict())
+    assert (message.request_id, message.samples, message.frames, message.rtf) == ("r1", 48000, 80, 0.5)
+    assert message.ttfb_ms == pytest.approx(50.0)
+
+
+def test_connection_limiter_counts_and_releases_once() -> None:
+    limiter = ConnectionLimiter(2)
+    a, b = limiter.acquire(), limiter.acquire()
+    with pytest.raises(TooManyConnectionsError):
+        limiter.acquire()
+    a.release()
+    a.release()  # idempotent: must not free a slot someone else holds
+    assert limiter.open == 1
+    c = limiter.acquire()
+    assert limiter.open == 2
+    b.release()
+    c.release()
+    assert limiter.open == 0
+
+
+def test_voice_list_covers_every_voice_and_alias() -> None:
+    voices = voice_list()
+    assert [v["id"] for v in voices] == list(VOICES)
+    assert sorted(a for v in voices for a in v["aliases"]) == sorted(OPENAI_VOICE_ALIASES)
