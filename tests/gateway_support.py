@@ -1,0 +1,101 @@
+"""Helpers for the gateway tests: configs for a real server on loopback, and small sync/async probes."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from orpheus_serve.api.server import ServerThread
+from orpheus_serve.config import Config, load_config
+
+# Every gateway test server: loopback only, ephemeral ports, short drain.
+_SERVER = {
+    "server.host": "127.0.0.1",
+    "server.http_port": 0,
+    "server.grpc_port": 0,
+    "server.shutdown_grace_s": 2.0,
+    "server.log_level": "warning",
+}
+
+
+def tiny_config(tiny_orpheus: Path, tiny_snac: Path, **overrides: Any) -> Config:
+    """The torch engine on the tiny random-weight model, SNAC noise off, short utterances."""
+    return load_config(overrides={
+        **_SERVER,
+        "engine.backend": "torch",
+        "engine.device": "cpu",
+        "engine.model_path": str(tiny_orpheus),
+        "codec.path": str(tiny_snac),
+        "codec.device": "cpu",
+        "codec.noise": False,
+        "scheduler.max_concurrent_sessions": 4,
+        "scheduler.max_batch_size": 4,
+        "sampling.min_tokens": 28,
+        "sampling.max_tokens": 56,
+        **overrides,
+    }, env={})
+
+
+def sim_config(tiny_orpheus: Path, **overrides: Any) -> Config:
+    """The sim engine and sim codec: GPU-like pacing at high concurrency on a CPU (tokenizer from the tiny model)."""
+    return load_config(overrides={
+        **_SERVER,
+        "engine.backend": "sim",
+        "engine.model_path": str(tiny_orpheus),
+        "codec.decoder": "sim",
+        "scheduler.max_concurrent_sessions": 32,
+        "scheduler.max_batch_size": 32,
+        "sampling.min_tokens": 28,
+        "sampling.max_tokens": 2800,
+        **overrides,
+    }, env={})
+
+
+def start_server(config: Config) -> ServerThread:
+    return ServerThread(config).start()
+
+
+def stats(server: ServerThread) -> dict[str, Any]:
+    return httpx.get(f"{server.base_url}/v1/stats", headers=auth_header(server)).json()
+
+
+def auth_header(server: ServerThread) -> dict[str, str]:
+    keys = server.server.config.server.api_keys
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
+def wait_for(probe: Callable[[], bool], within_s: float, what: str) -> float:
+    """Poll `probe` (each call is a real request) until it holds; the seconds it took. Bounded by time."""
+    start = time.perf_counter()
+    deadline = start + within_s
+    while True:
+        if probe():
+            return time.perf_counter() - start
+        if time.perf_counter() > deadline:
+            raise AssertionError(f"{what}: not true within {within_s}s")
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """`{labels: value}` of one metric family in a Prometheus exposition ('' for no labels)."""
+    out: dict[str, float] = {}
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if match:
+            out[match.group(1) or ""] = float(match.group(2))
+    return out
+
+
+def check_openai_error(response: httpx.Response, status: int, code: str | None = None) -> Mapping[str, Any]:
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error

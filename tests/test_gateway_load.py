@@ -1,0 +1,317 @@
+"""Concurrency, cancellation and bad input against a real server running the sim engine and sim codec.
+
+The sim backend paces tokens like a GPU without a model, so many streams run
+at once on two CPU cores; everything between the socket and the scheduler is
+the real code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from websockets.sync.client import connect as ws_connect
+
+from orpheus_serve.api import client as api_client
+from orpheus_serve.api.proto import orpheus_pb2 as pb
+from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.api.server import ServerThread
+from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from tests.gateway_support import check_openai_error, metric_values, sim_config, start_server, stats, wait_for
+
+MAX_TEXT = 250  # the conversational profile's max_text_chars
+SHORT = {"max_tokens": 56}  # 8 frames
+LONG = {"max_tokens": 1400}  # 200 frames: runs for seconds under the sim's pacing
+
+
+@pytest.fixture(scope="module")
+def server(tiny_orpheus: Path):
+    srv = start_server(sim_config(tiny_orpheus))
+    yield srv
+    srv.stop()
+
+
+def _active_sessions(server: ServerThread) -> int:
+    snapshot = stats(server)
+    return snapshot["scheduler"]["active_sessions"] + snapshot["scheduler"]["pending_sessions"]
+
+
+def test_twenty_concurrent_clients_over_three_protocols(server: ServerThread) -> None:
+    before_stats = stats(server)
+    before_metrics = httpx.get(f"{server.base_url}/metrics").text
+    protocols = ["rest", "ws", "grpc"] * 7
+    protocols = protocols[:20]
+
+    async def run_all():
+        return await asyncio.gather(*(
+            api_client.synthesize(p, f"Client number {i} says hello.", url=server.base_url,
+                                  grpc_addr=server.grpc_address, voice="leo", fmt="pcm", **SHORT)
+            for i, p in enumerate(protocols)))
+
+    results = asyncio.run(run_all())
+    failures = [(r.protocol, r.error) for r in results if not r.ok]
+    assert not failures, failures
+    assert all(len(r.audio) == 8 * SAMPLES_PER_FRAME * 2 for r in results), [len(r.audio) for r in results]
+    assert all(r.ttfb_s is not None and r.ttfb_s > 0 for r in results)
+
+    after = stats(server)
+    assert after["scheduler"]["total_sessions"] - before_stats["scheduler"]["total_sessions"] >= 20
+    assert after["total_tokens"] - before_stats["total_tokens"] >= 20 * 56
+    for protocol in ("rest", "ws", "grpc"):
+        delta = after["gateway"]["requests"][protocol].get("ok", 0) - \
+            before_stats["gateway"]["requests"][protocol].get("ok", 0)
+        assert delta == protocols.count(protocol), (protocol, delta)
+    assert after["gateway"]["open_connections"] == 0
+    assert after["gateway"]["active_streams"] == {"rest": 0, "ws": 0, "grpc": 0}
+
+    after_metrics = httpx.get(f"{server.base_url}/metrics").text
+    for protocol in ("rest", "ws", "grpc"):
+        label = f'{{protocol="{protocol}",status="ok"}}'
+        grown = metric_values(after_metrics, "orpheus:requests_total").get(label, 0) - \
+            metric_values(before_metrics, "orpheus:requests_total").get(label, 0)
+        assert grown == protocols.count(protocol)
+    ttfb_count = metric_values(after_metrics, "orpheus:time_to_first_audio_seconds_count")[""] - \
+        metric_values(before_metrics, "orpheus:time_to_first_audio_seconds_count").get("", 0)
+    assert ttfb_count >= 20
+    assert metric_values(after_metrics, "orpheus:audio_seconds_total")[""] >= 20 * 8 * 2048 / 24000 - 1e-6
+    assert metric_values(after_metrics, "orpheus:num_requests_running")[""] == 0
+    assert "orpheus:kv_cache_usage_perc" in after_metrics
+    assert "orpheus:e2e_request_latency_seconds_bucket" in after_metrics
+    assert "orpheus:request_queue_time_seconds_count" in after_metrics
+    assert "orpheus:request_real_time_factor_count" in after_metrics
+
+
+def test_rest_client_disconnect_frees_its_slot_within_a_second(server: ServerThread) -> None:
+    before = stats(server)["gateway"]["requests"]["rest"].get("cancelled", 0)
+    with httpx.Client(timeout=30) as http, http.stream(
+            "POST", f"{server.base_url}/v1/audio/speech",
+            json={"input": "A long story.", "response_format": "pcm", **LONG}) as response:
+        assert response.status_code == 200
+        body = response.iter_raw()  # kept referenced: a dropped iterator closes the connection
+        next(body)
+        assert _active_sessions(server) >= 1
+    # Leaving the block closed the connection mid-stream.
+    took = wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after disconnect")
+    assert took < 1.0
+    wait_for(lambda: stats(server)["gateway"]["requests"]["rest"].get("cancelled", 0) == before + 1, 1.0,
+             "cancellation counted")
+
+
+def test_grpc_cancel_propagates_to_the_session(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        call = pb_grpc.SynthesizerStub(channel).Synthesize(pb.SynthesizeRequest(
+            text="A long story.", sampling=pb.SamplingOptions(max_tokens=LONG["max_tokens"])))
+        first = next(call)
+        assert first.HasField("audio")
+        assert _active_sessions(server) >= 1
+        call.cancel()
+    wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after gRPC cancel")
+
+
+def test_websocket_cancel_then_the_socket_serves_the_next_request(server: ServerThread) -> None:
+    url = api_client.stream_url(server.base_url)
+    with ws_connect(url) as ws:
+        ws.send(json.dumps({"text": "A long story.", "request_id": "long-1", **LONG}))
+        assert isinstance(ws.recv(timeout=30), bytes)
+        ws.send(json.dumps({"cancel": True}))
+        while True:  # audio already in flight may arrive before the acknowledgement
+            reply = ws.recv(timeout=30)
+            if isinstance(reply, str):
+                break
+        assert json.loads(reply) == {"cancelled": True, "request_id": "long-1"}
+        wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after WebSocket cancel")
+        # Two requests back to back on the same socket, served in order.
+        ws.send(json.dumps({"text": "First.", "request_id": "a", **SHORT}))
+        ws.send(json.dumps({"text": "Second.", "request_id": "b", **SHORT}))
+        finished = []
+        audio = 0
+        while len(finished) < 2:
+            message = ws.recv(timeout=30)
+            if isinstance(message, bytes):
+                audio += len(message)
+            else:
+                body = json.loads(message)
+                assert body.get("done"), body
+                finished.append(body["request_id"])
+                assert body["metrics"]["samples"] == 8 * SAMPLES_PER_FRAME
+        assert finished == ["a", "b"] and audio == 2 * 8 * SAMPLES_PER_FRAME * 2
+        ws.send(json.dumps({"cancel": True}))
+        assert json.loads(ws.recv(timeout=30))["cancelled"] is False
+
+
+def test_websocket_disconnect_mid_stream_frees_the_slot(server: ServerThread) -> None:
+    ws = ws_connect(api_client.stream_url(server.base_url))
+    ws.send(json.dumps({"text": "A long story.", **LONG}))
+    assert isinstance(ws.recv(timeout=30), bytes)
+    ws.close()
+    wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after WebSocket disconnect")
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _http_cases(base: str) -> list[tuple[str, dict[str, Any], int]]:
+    speech = f"{base}/v1/audio/speech"
+    json_headers = {"Content-Type": "application/json"}
+
+    def post(body: Any) -> dict[str, Any]:
+        return {"method": "POST", "url": speech, "json": body}
+
+    def raw(content: bytes) -> dict[str, Any]:
+        return {"method": "POST", "url": speech, "content": content, "headers": json_headers}
+
+    return [
+        ("empty input", post({"input": ""}), 400),
+        ("whitespace input", post({"input": "  \n\t "}), 400),
+        ("input too long for the profile", post({"input": "a" * (MAX_TEXT + 1)}), 400),
+        ("unknown voice", post({"input": "hi", "voice": "bob"}), 400),
+        ("unknown response_format", post({"input": "hi", "response_format": "ogg"}), 400),
+        ("speed too low", post({"input": "hi", "speed": 0.1}), 400),
+        ("speed too high", post({"input": "hi", "speed": 10}), 400),
+        ("speed is a string", post({"input": "hi", "speed": "fast"}), 400),
+        ("speed is NaN", raw(b'{"input": "hi", "speed": NaN}'), 400),
+        ("malformed JSON", raw(b'{"input": "hi"'), 400),
+        ("body is not JSON at all", raw(b"\x00\xff\xfe garbage"), 400),
+        ("body is a JSON array", post(["hi"]), 400),
+        ("empty body", raw(b""), 400),
+        ("input is a number", post({"input": 42}), 400),
+        ("voice is a list", post({"input": "hi", "voice": []}), 400),
+        ("seed is a float", post({"input": "hi", "seed": 1.5}), 400),
+        ("missing input", post({"model": "tts-1", "voice": "tara"}), 400),
+        ("input and text differ", post({"input": "a", "text": "b"}), 400),
+        ("unknown field", post({"input": "hi", "volume": 11}), 400),
+        ("unknown stream_format", post({"input": "hi", "stream_format": "chunks"}), 400),
+        ("temperature negative", post({"input": "hi", "temperature": -1}), 400),
+        ("top_p above one", post({"input": "hi", "top_p": 1.5}), 400),
+        ("max_tokens negative", post({"input": "hi", "max_tokens": -7}), 400),
+        ("huge body", raw(b'{"input": "' + b"a" * 70_000 + b'"}'), 413),
+        ("GET on the speech endpoint", {"method": "GET", "url": speech}, 405),
+        ("unknown path", {"method": "POST", "url": f"{base}/v1/audio/sing", "json": {"input": "hi"}}, 404),
+    ]
+
+
+def _ws_cases() -> list[tuple[str, str | bytes]]:
+    return [
+        ("binary garbage", b"\x00\x01\xfe\xff" * 64),
+        ("invalid JSON", "{not json"),
+        ("JSON array", '["hello"]'),
+        ("empty text", json.dumps({"text": ""})),
+        ("unknown voice", json.dumps({"text": "hi", "voice": "bob"})),
+        ("bad speed", json.dumps({"text": "hi", "speed": 9})),
+        ("bad sample rate", json.dumps({"text": "hi", "sample_rate": 1000})),
+        ("opus at 44.1 kHz", json.dumps({"text": "hi", "response_format": "opus", "sample_rate": 44100})),
+        ("unknown field", json.dumps({"text": "hi", "loudness": 3})),
+        ("malformed cancel", json.dumps({"cancel": "yes"})),
+    ]
+
+
+def _grpc_cases() -> list[tuple[str, bytes]]:
+    def req(**kwargs: Any) -> bytes:
+        return pb.SynthesizeRequest(**kwargs).SerializeToString()
+
+    return [
+        ("empty text", req(text="")),
+        ("whitespace text", req(text="   ")),
+        ("text too long", req(text="a" * (MAX_TEXT + 1))),
+        ("unknown voice", req(text="hi", voice="bob")),
+        ("unknown fields", req(text="hi") + b"\x98\x06\x01"),
+        ("unknown format value", req(text="hi") + b"\x18\x63"),
+        ("sample rate too low", req(text="hi", sample_rate=1000)),
+        ("opus at 44.1 kHz", req(text="hi", format=pb.AUDIO_FORMAT_OPUS, sample_rate=44100)),
+        ("speed too high", req(text="hi", speed=9.0)),
+        ("bad top_p", req(text="hi", sampling=pb.SamplingOptions(top_p=2.0))),
+    ]
+
+
+def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: ServerThread) -> None:
+    base = server.base_url
+    good_request = {"text": "The good stream keeps going.", "max_tokens": 350}
+    http_cases, ws_cases, grpc_cases = _http_cases(base), _ws_cases(), _grpc_cases()
+    assert len(http_cases) + len(ws_cases) + len(grpc_cases) >= 30
+
+    async def good_stream() -> api_client.ClientResult:
+        return await api_client.synthesize_ws(base, good_request["text"], max_tokens=good_request["max_tokens"])
+
+    async def http_suite() -> list[str]:
+        problems = []
+        async with httpx.AsyncClient(timeout=30) as http:
+            for name, spec, status in http_cases:
+                response = await http.request(**spec)
+                if response.status_code != status:
+                    problems.append(f"HTTP {name}: {response.status_code} {response.text[:200]}")
+                    continue
+                error = response.json().get("error", {})
+                if set(error) != {"message", "type", "param", "code"} or not error["message"]:
+                    problems.append(f"HTTP {name}: not an OpenAI error body: {response.text[:200]}")
+        return problems
+
+    async def ws_suite() -> list[str]:
+        from websockets.asyncio.client import connect
+
+        problems = []
+        async with connect(api_client.stream_url(base)) as ws:
+            for name, message in ws_cases:
+                await ws.send(message)
+                reply = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if "error" not in reply or not reply["error"].get("message"):
+                    problems.append(f"WS {name}: {reply}")
+            # Still open and serving after every bad message.
+            await ws.send(json.dumps({"text": "Still here.", **SHORT}))
+            audio = 0
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 30)
+                if isinstance(message, bytes):
+                    audio += len(message)
+                    continue
+                reply = json.loads(message)
+                if not reply.get("done") or audio != 8 * SAMPLES_PER_FRAME * 2:
+                    problems.append(f"WS after bad input: {reply}, {audio} bytes")
+                break
+        return problems
+
+    async def grpc_suite() -> list[str]:
+        problems = []
+        async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+            # Raw bytes in, so requests a stub could not build (unknown fields) go over the wire as sent.
+            synthesize = channel.unary_stream("/orpheus.v1.Synthesizer/Synthesize",
+                                              response_deserializer=pb.SynthesizeResponse.FromString)
+            for name, payload in grpc_cases:
+                try:
+                    async for _ in synthesize(payload, timeout=30):
+                        pass
+                    problems.append(f"gRPC {name}: succeeded")
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not exc.details():
+                        problems.append(f"gRPC {name}: {exc.code().name} {exc.details()}")
+        return problems
+
+    async def everything():
+        good = asyncio.create_task(good_stream())
+        suites = await asyncio.gather(http_suite(), ws_suite(), grpc_suite())
+        return await good, [p for suite in suites for p in suite]
+
+    alone = asyncio.run(api_client.synthesize_ws(base, good_request["text"], max_tokens=good_request["max_tokens"]))
+    good, problems = asyncio.run(everything())
+    assert not problems, "\n".join(problems)
+    assert alone.ok and good.ok, (alone.error, good.error)
+    assert len(good.audio) == len(alone.audio) == 50 * SAMPLES_PER_FRAME * 2
+    assert good.metrics["finish_reason"] == alone.metrics["finish_reason"]
+    # No 500 was ever counted.
+    outcomes = stats(server)["gateway"]["requests"]
+    assert not any(status in ("internal_error", "engine_error") for p in outcomes.values() for status in p)
+
+
+def test_error_bodies_name_the_parameter(server: ServerThread) -> None:
+    speech = f"{server.base_url}/v1/audio/speech"
+    assert check_openai_error(httpx.post(speech, json={"input": "hi", "speed": 9}), 400)["param"] == "speed"
+    assert check_openai_error(httpx.post(speech, json={"input": "a" * 300}), 400)["param"] == "input"
+    assert check_openai_error(httpx.post(speech, json={"input": "hi", "response_format": "x"}),
+                              400)["param"] == "response_format"
+    check_openai_error(httpx.post(speech, content=b"x" * 70_000), 413, "request_too_large")
+    response = httpx.delete(speech)
+    check_openai_error(response, 405, "method_not_allowed")
