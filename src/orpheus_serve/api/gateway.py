@@ -110,6 +110,8 @@ class Gateway:
         self.limiter = ConnectionLimiter(config.server.max_connections)
         self._api_keys = [k.encode() for k in config.server.api_keys]
         self._active: Counter[str] = Counter()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self.started_at = time.time()
         self.metrics = ServingMetrics(service.stats, self.figures)
@@ -178,10 +180,21 @@ class Gateway:
 
     def stream_opened(self, protocol: str) -> None:
         self._active[protocol] += 1
+        self._idle.clear()
 
     def stream_closed(self, protocol: str, status: str) -> None:
         self._active[protocol] -= 1
         self.record(protocol, status)
+        if not any(self._active.values()):
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no stream is open (their last bytes written); False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def record(self, protocol: str, status: str) -> None:
         """Count one request outcome (also the ones refused before a stream opened)."""

@@ -96,7 +96,7 @@ class OrpheusServer:
         sock = _bind(server_cfg.host, server_cfg.http_port)
         self.http_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(
-            self.app, log_level=server_cfg.log_level, lifespan="off", ws="websockets-sansio",
+            self.app, log_level=server_cfg.log_level, log_config=None, lifespan="off", ws="websockets-sansio",
             ws_max_size=server_cfg.max_body_bytes, timeout_graceful_shutdown=_LISTENER_CLOSE_S,
             access_log=server_cfg.log_level == "debug")
         self._uvicorn = _UvicornServer(uv_config)
@@ -111,7 +111,7 @@ class OrpheusServer:
             # uvicorn failed to start: surface its error instead of serving gRPC alone.
             await self._uvicorn_task
         await self._grpc.set_serving(True)
-        log.info("ready")
+        log.info("ready to serve")
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Graceful stop; concurrent and repeated calls share one shutdown."""
@@ -125,6 +125,9 @@ class OrpheusServer:
         if self._grpc is not None:
             await self._grpc.set_serving(False)
         await self.service.shutdown(grace)
+        # The service has finished or cancelled every session; let the gateway write what is left.
+        if not await self.gateway.wait_idle(_LISTENER_CLOSE_S):
+            log.warning("streams still open %.1fs after the service drained; closing them", _LISTENER_CLOSE_S)
         if self._uvicorn is not None and self._uvicorn_task is not None:
             self._uvicorn.should_exit = True
             await self._uvicorn_task

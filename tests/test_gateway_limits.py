@@ -1,0 +1,216 @@
+"""API keys, admission limits and graceful shutdown, against real servers (sim engine) on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import websockets
+from websockets.sync.client import connect as ws_connect
+
+from orpheus_serve.api import client as api_client
+from orpheus_serve.api.proto import orpheus_pb2 as pb
+from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.api.server import ServerThread
+from tests.gateway_support import check_openai_error, sim_config, start_server, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ["key-one", "key-two"]
+GOOD = {"Authorization": f"Bearer {KEYS[1]}"}
+LONG = {"max_tokens": 1400}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_orpheus: Path):
+    """Keys on, one KV slot and no queue (the second stream is refused), three connections at most."""
+    srv = start_server(sim_config(tiny_orpheus, **{
+        "server.api_keys": KEYS, "server.max_connections": 3, "scheduler.max_concurrent_sessions": 1,
+        "scheduler.max_batch_size": 1, "scheduler.max_queue": 0}))
+    yield srv
+    srv.stop()
+
+
+def _sessions(server: ServerThread) -> int:
+    return httpx.get(f"{server.base_url}/v1/stats", headers=GOOD).json()["scheduler"]["total_sessions"]
+
+
+def _idle(server: ServerThread) -> bool:
+    snapshot = httpx.get(f"{server.base_url}/v1/stats", headers=GOOD).json()
+    return snapshot["scheduler"]["active_sessions"] == 0 and snapshot["gateway"]["open_connections"] == 0
+
+
+def test_wrong_or_missing_key_is_refused_on_every_protocol_and_never_reaches_the_service(server: ServerThread) -> None:
+    base = server.base_url
+    sessions = _sessions(server)
+    speech = f"{base}/v1/audio/speech"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"},
+                    {"Authorization": "Bearer"}):
+        response = httpx.post(speech, json={"input": "hi"}, headers=headers)
+        check_openai_error(response, 401)
+        assert response.headers["www-authenticate"] == "Bearer"
+    # Checked before the body is read: a bad key with a bad body is still a 401.
+    check_openai_error(httpx.post(speech, content=b"{broken", headers={"Authorization": "Bearer nope"}), 401)
+    check_openai_error(httpx.get(f"{base}/v1/stats"), 401)
+    check_openai_error(httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+
+    with pytest.raises(websockets.InvalidStatus) as info:
+        ws_connect(api_client.stream_url(base), additional_headers={"Authorization": "Bearer nope"})
+    assert info.value.response.status_code == 401
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = pb_grpc.SynthesizerStub(channel)
+        for metadata in ((), (("authorization", "Bearer nope"),)):
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(stub.Synthesize(pb.SynthesizeRequest(text="hi"), metadata=metadata))
+            assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.ListVoices(pb.ListVoicesRequest())
+        assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _sessions(server) == sessions  # none of it reached the engine
+
+    # Probes and scrapers need no key.
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/ready").status_code == 200
+    assert httpx.get(f"{base}/metrics").status_code == 200
+
+
+def test_the_right_key_works_on_every_protocol(server: ServerThread) -> None:
+    async def all_three():
+        results = []
+        for protocol in ("rest", "ws", "grpc"):  # one at a time: this server has a single slot
+            results.append(await api_client.synthesize(protocol, "Hello.", url=server.base_url,
+                                                       grpc_addr=server.grpc_address, api_key=KEYS[0],
+                                                       max_tokens=28))
+        return results
+
+    for result in asyncio.run(all_three()):
+        assert result.ok, (result.protocol, result.error)
+        assert len(result.audio) == 4 * 2048 * 2
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        voices = pb_grpc.SynthesizerStub(channel).ListVoices(pb.ListVoicesRequest(),
+                                                             metadata=(("authorization", f"Bearer {KEYS[0]}"),))
+        assert len(voices.voices) == 8
+
+
+def test_full_service_answers_503_with_retry_after_and_resource_exhausted(server: ServerThread) -> None:
+    base = server.base_url
+    with httpx.Client(timeout=30, headers=GOOD) as http, http.stream(
+            "POST", f"{base}/v1/audio/speech", json={"input": "Hold the only slot.", "response_format": "pcm",
+                                                     **LONG}) as holder:
+        assert holder.status_code == 200
+        body = holder.iter_raw()
+        next(body)
+        refused = httpx.post(f"{base}/v1/audio/speech", json={"input": "Me too."}, headers=GOOD)
+        check_openai_error(refused, 503, "server_busy")
+        assert int(refused.headers["retry-after"]) >= 1
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(pb_grpc.SynthesizerStub(channel).Synthesize(
+                    pb.SynthesizeRequest(text="Me too."), metadata=(("authorization", f"Bearer {KEYS[0]}"),)))
+            assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with ws_connect(api_client.stream_url(base), additional_headers=GOOD) as ws:
+            ws.send(json.dumps({"text": "Me too."}))
+            reply = json.loads(ws.recv(timeout=30))
+            assert reply["error"]["code"] == "server_busy"
+    wait_for(lambda: _idle(server), 1.0, "slot and connections freed")
+
+
+def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
+    base = server.base_url
+    url = api_client.stream_url(base)
+    sockets = [ws_connect(url, additional_headers=GOOD) for _ in range(3)]
+    try:
+        wait_for(lambda: httpx.get(f"{base}/v1/stats", headers=GOOD).json()["gateway"]["open_connections"] == 3,
+                 2.0, "three WebSockets counted")
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "hi"}, headers=GOOD), 503,
+                           "too_many_connections")
+        with ws_connect(url, additional_headers=GOOD) as extra:
+            reply = json.loads(extra.recv(timeout=30))
+            assert reply["error"]["code"] == "too_many_connections"
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                extra.recv(timeout=30)
+            assert closed.value.rcvd.code == 1013
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(pb_grpc.SynthesizerStub(channel).Synthesize(
+                    pb.SynthesizeRequest(text="hi"), metadata=(("authorization", f"Bearer {KEYS[0]}"),)))
+            assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for ws in sockets:
+            ws.close()
+    wait_for(lambda: _idle(server), 2.0, "connections released")
+    assert httpx.post(f"{base}/v1/audio/speech", json={"input": "hi", "max_tokens": 28},
+                      headers=GOOD).status_code == 200
+
+
+def test_graceful_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(tiny_orpheus: Path) -> None:
+    srv = ServerThread(sim_config(tiny_orpheus, **{"server.shutdown_grace_s": 10.0})).start()
+    base = srv.base_url
+    with httpx.Client(timeout=30) as http, http.stream(
+            "POST", f"{base}/v1/audio/speech",
+            json={"input": "Finish me.", "response_format": "pcm", "max_tokens": 350}) as response:
+        body = response.iter_raw()
+        received = len(next(body))
+        stopper = threading.Thread(target=srv.stop)
+        stopper.start()
+        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 503, 5.0, "/ready turns 503")
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "Too late."}), 503, "unavailable")
+        for chunk in body:
+            received += len(chunk)
+    stopper.join(timeout=30)
+    assert not stopper.is_alive()
+    assert received == 50 * 2048 * 2  # the whole utterance arrived
+
+
+def _read_until(process: subprocess.Popen[str], needle: str, timeout_s: float) -> list[str]:
+    """stderr lines of `process` until one contains `needle` (bounded by time)."""
+    lines: list[str] = []
+    selector = selectors.DefaultSelector()
+    assert process.stderr is not None
+    selector.register(process.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+            break
+        line = process.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not logged within {timeout_s}s:\n{''.join(lines)}")
+
+
+def test_production_server_serves_and_stops_on_sigterm(tiny_orpheus: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p),
+           "CUDA_VISIBLE_DEVICES": ""}
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "production_server.py"), "--host", "127.0.0.1", "--port", "0", "--grpc-port",
+         "0", "--set", "engine.backend=sim", "--set", "codec.decoder=sim", "--set",
+         f"engine.model_path={tiny_orpheus}", "--set", "server.shutdown_grace_s=2"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    try:
+        lines = _read_until(process, "ready to serve", 90)
+        listening = next(line for line in lines if "listening:" in line)
+        http_port = int(listening.split("HTTP/WebSocket on ")[1].split(",")[0].rsplit(":", 1)[1])
+        grpc_port = int(listening.split("gRPC on ")[1].split(" ")[0].rsplit(":", 1)[1])
+        assert httpx.get(f"http://127.0.0.1:{http_port}/ready").status_code == 200
+        result = asyncio.run(api_client.synthesize_grpc(f"127.0.0.1:{grpc_port}", "Hi.", max_tokens=28))
+        assert result.ok, result.error
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
