@@ -210,21 +210,23 @@ def _ws_cases() -> list[tuple[str, str | bytes]]:
     ]
 
 
-def _grpc_cases() -> list[tuple[str, bytes]]:
+def _grpc_cases() -> list[tuple[str, bytes, grpc.StatusCode]]:
     def req(**kwargs: Any) -> bytes:
         return pb.SynthesizeRequest(**kwargs).SerializeToString()
 
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
     return [
-        ("empty text", req(text="")),
-        ("whitespace text", req(text="   ")),
-        ("text too long", req(text="a" * (MAX_TEXT + 1))),
-        ("unknown voice", req(text="hi", voice="bob")),
-        ("unknown fields", req(text="hi") + b"\x98\x06\x01"),
-        ("unknown format value", req(text="hi") + b"\x18\x63"),
-        ("sample rate too low", req(text="hi", sample_rate=1000)),
-        ("opus at 44.1 kHz", req(text="hi", format=pb.AUDIO_FORMAT_OPUS, sample_rate=44100)),
-        ("speed too high", req(text="hi", speed=9.0)),
-        ("bad top_p", req(text="hi", sampling=pb.SamplingOptions(top_p=2.0))),
+        ("empty text", req(text=""), invalid),
+        ("whitespace text", req(text="   "), invalid),
+        ("text too long", req(text="a" * (MAX_TEXT + 1)), invalid),
+        ("unknown voice", req(text="hi", voice="bob"), invalid),
+        ("unknown fields", req(text="hi") + b"\x98\x06\x01", invalid),
+        ("unknown format value", req(text="hi") + b"\x18\x63", invalid),
+        ("sample rate too low", req(text="hi", sample_rate=1000), invalid),
+        ("opus at 44.1 kHz", req(text="hi", format=pb.AUDIO_FORMAT_OPUS, sample_rate=44100), invalid),
+        ("speed too high", req(text="hi", speed=9.0), invalid),
+        ("bad top_p", req(text="hi", sampling=pb.SamplingOptions(top_p=2.0)), invalid),
+        ("message over server.max_body_bytes", req(text="a" * 70_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ]
 
 
@@ -280,13 +282,13 @@ def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: S
             # Raw bytes in, so requests a stub could not build (unknown fields) go over the wire as sent.
             synthesize = channel.unary_stream("/orpheus.v1.Synthesizer/Synthesize",
                                               response_deserializer=pb.SynthesizeResponse.FromString)
-            for name, payload in grpc_cases:
+            for name, payload, code in grpc_cases:
                 try:
                     async for _ in synthesize(payload, timeout=30):
                         pass
                     problems.append(f"gRPC {name}: succeeded")
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not exc.details():
+                    if exc.code() != code or not exc.details():
                         problems.append(f"gRPC {name}: {exc.code().name} {exc.details()}")
         return problems
 

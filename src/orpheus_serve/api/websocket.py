@@ -103,6 +103,9 @@ class StreamConnection:
             await self.ws.accept()
             reader = asyncio.create_task(self._read(), name="ws-reader")
             await self._serve()
+        except WebSocketDisconnect as exc:
+            # The client went away while we were writing to it: the normal end of a connection.
+            log.debug("WebSocket closed by the client (code %s)", exc.code)
         finally:
             for task in (self._current, reader):
                 if task is not None and not task.done():
