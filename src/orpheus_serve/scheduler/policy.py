@@ -1,7 +1,9 @@
 """Which decoding sessions get a token this step (DESIGN §5).
 
 `fair`: sessions before their first audio (and under `ttfb_priority_tokens`
-generated) first, then the least recently stepped. Once the new arrivals
+generated, but never fewer than the first push needs, so the boost cannot
+lapse one token before the first audio) first, then the least recently
+stepped. Once the new arrivals
 have their first audio, every decoding session is stepped at least once
 every ceil(decoding / max_batch_size) steps, so nothing starves.
 
@@ -84,9 +86,10 @@ class DeadlinePolicy:
         return heapq.nsmallest(limit, candidates, key=key)
 
 
-def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
+def make_policy(config: SchedulerConfig, *, first_push_tokens: int = 0) -> SchedulingPolicy:
+    """`first_push_tokens`: generated tokens the first FramesReady needs (window + codec lookahead)."""
     if config.policy == "fair":
-        return FairPolicy(config.ttfb_priority_tokens)
+        return FairPolicy(max(config.ttfb_priority_tokens, first_push_tokens))
     if config.policy == "deadline":
         return DeadlinePolicy(config.deadline_yield_s, config.deadline_stalled_max_wait_s)
     raise ValueError(f"unknown scheduling policy {config.policy!r}")

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..config import SchedulerConfig
 from ..engines.base import PrefillChunk, StepOutput, StepPlan
-from ..protocol import FRAME_SECONDS, ProtocolError
+from ..protocol import FRAME_SECONDS, TOKENS_PER_FRAME, ProtocolError
 from ..synthesis import InvalidRequestError, QueueFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flush import FlushPolicy, FrameBuffer
@@ -99,7 +99,9 @@ class Scheduler:
         self._batch_limit = min(config.max_batch_size, num_slots)
         self._slots = SlotAllocator(num_slots)
         self._flush_policy = FlushPolicy.from_config(config, lookahead_frames)
-        self._policy: SchedulingPolicy = make_policy(config)
+        self._policy: SchedulingPolicy = make_policy(
+            config, first_push_tokens=self._flush_policy.first_frames * TOKENS_PER_FRAME
+        )
         self._lock = threading.Lock()
 
         # Live sessions. Dicts keep insertion order: FIFO for `_waiting`, admission order for `_admitted`.
@@ -270,6 +272,12 @@ class Scheduler:
             events, self._events = self._events, []
             return events
 
+    def session_state(self, request_id: str) -> SessionState | None:
+        """State of a live session; None once it has ended (or was never submitted)."""
+        with self._lock:
+            session = self._waiting.get(request_id) or self._admitted.get(request_id)
+            return None if session is None else session.state
+
     @property
     def has_work(self) -> bool:
         with self._lock:
@@ -404,7 +412,8 @@ class Scheduler:
         """The client holds less audio than one regular push: frames should go out one by one."""
         if session.playback_end_s is None:
             return False
-        return session.playback_end_s - now < self._flush_policy.every_frames * FRAME_SECONDS
+        # (less a microsecond, so that exactly one push's worth, summed frame by frame, is not thin)
+        return session.playback_end_s - now < self._flush_policy.every_frames * FRAME_SECONDS - 1e-6
 
     def _complete(self, session: Session, reason: str, now: float, events: list[SchedulerEvent]) -> None:
         """stop / length: hand out every frame left, then end."""
