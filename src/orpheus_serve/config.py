@@ -77,7 +77,7 @@ class TensorRTConfig(_Strict):
 class SimConfig(_Strict):
     step_base_ms: float = Field(9.0, ge=0)
     step_per_seq_ms: float = Field(0.12, ge=0)
-    step_per_ctx_token_ms: float = Field(0.00002, ge=0)
+    step_per_ctx_token_ms: float = Field(0.00004, ge=0)  # 112 KiB of KV per token at ~2.8 TB/s
     prefill_per_token_ms: float = Field(0.02, ge=0)
     end_after_frames: int | None = Field(None, ge=1)
     realtime: bool = True

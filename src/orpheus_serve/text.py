@@ -89,9 +89,12 @@ def split_text(text: str, max_chars: int = 200) -> list[str]:
 
 
 def _is_sentence_end(text: str, match: re.Match[str]) -> bool:
-    """False for the dot of an abbreviation or an initial ("Dr. Smith", "J. R. R. Tolkien")."""
+    """False for the dot of an abbreviation or an initial ("Dr. Smith", "J. R. R. Tolkien", "e.g. this")."""
     if not match.group().startswith(".") or match.group().startswith(".."):
         return True
+    following = text[match.end() :].lstrip()[:1]
+    if following.islower():  # a sentence does not start in lower case: "at 5 p.m. on Monday"
+        return False
     word = text[: match.start()].rsplit(" ", 1)[-1].lower().lstrip("(\"'")
     if word in _ABBREVIATIONS:
         return False

@@ -110,6 +110,7 @@ class StreamResult:
 class SimulationResult:
     policy: str
     sessions: int
+    arrival_window_s: float
     num_slots: int
     max_batch_size: int
     streams: list[StreamResult] = field(default_factory=list)
@@ -186,6 +187,7 @@ def simulate(setup: SimulationSetup, workload: Workload) -> SimulationResult:
     result = SimulationResult(
         policy=setup.scheduler.policy,
         sessions=workload.sessions,
+        arrival_window_s=workload.arrival_window_s,
         num_slots=setup.num_slots,
         max_batch_size=setup.scheduler.max_batch_size,
     )
@@ -237,20 +239,75 @@ def simulate(setup: SimulationSetup, workload: Workload) -> SimulationResult:
 
 def format_table(results: list[SimulationResult]) -> str:
     """One line per run: the numbers the policy comparison is about."""
-    header = (
-        f"{'policy':<9}{'sessions':>9}{'slots':>6}{'batch':>6}{'done':>6}{'rejected':>9}{'real-time':>10}"
-        f"{'underrun':>9}{'stall s':>9}{'ttfb p50':>9}{'ttfb p95':>9}{'ttfb max':>9}{'mean bs':>8}{'sim s':>7}"
+    columns = (
+        ("policy", "<9"),
+        ("sessions", ">9"),
+        ("window", ">7"),
+        ("slots", ">6"),
+        ("batch", ">6"),
+        ("done", ">5"),
+        ("rejected", ">9"),
+        ("real-time", ">10"),
+        ("underrun", ">9"),
+        ("events", ">7"),
+        ("stall s", ">8"),
+        ("ttfb p50", ">9"),
+        ("ttfb p95", ">9"),
+        ("mean bs", ">8"),
+        ("sim s", ">7"),
     )
+    header = "".join(f"{name:{fmt}}" for name, fmt in columns)
     lines = [header, "-" * len(header)]
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.0f}ms"
 
     for r in results:
-        lines.append(
-            f"{r.policy:<9}{r.sessions:>9}{r.num_slots:>6}{r.max_batch_size:>6}{r.completed:>6}{r.rejected:>9}"
-            f"{r.real_time_streams:>10}{r.underrun_streams:>9}{r.stall_s:>9.1f}{ms(r.ttfb_percentile(50)):>9}"
-            f"{ms(r.ttfb_percentile(95)):>9}{ms(r.ttfb_percentile(100)):>9}{r.mean_batch_size:>8.1f}"
-            f"{r.simulated_s:>7.1f}"
+        values = (
+            r.policy,
+            r.sessions,
+            f"{r.arrival_window_s:g}s",
+            r.num_slots,
+            r.max_batch_size,
+            r.completed,
+            r.rejected,
+            r.real_time_streams,
+            r.underrun_streams,
+            r.underruns,
+            f"{r.stall_s:.1f}",
+            ms(r.ttfb_percentile(50)),
+            ms(r.ttfb_percentile(95)),
+            f"{r.mean_batch_size:.1f}",
+            f"{r.simulated_s:.1f}",
         )
+        lines.append("".join(f"{v:{fmt}}" for v, (_, fmt) in zip(values, columns, strict=True)))
     return "\n".join(lines)
+
+
+def compare_policies(
+    setup: SimulationSetup, workload: Workload, policies: tuple[str, ...] = ("fair", "deadline")
+) -> list[SimulationResult]:
+    """The same workload under each policy, everything else equal."""
+    return [
+        simulate(
+            SimulationSetup(
+                scheduler=setup.scheduler.model_copy(update={"policy": policy}),
+                num_slots=setup.num_slots,
+                cost=setup.cost,
+                lookahead_frames=setup.lookahead_frames,
+                codec_latency_s=setup.codec_latency_s,
+                max_seq_len=setup.max_seq_len,
+            ),
+            workload,
+        )
+        for policy in policies
+    ]
+
+
+def realtime_capacity(cost: SimConfig, batch: int, context_tokens: int) -> float:
+    """Voices one engine keeps real-time when it decodes `batch` sessions (each holding
+    `context_tokens` of context) every step: its tokens per second over 82."""
+    step_s = (
+        cost.step_base_ms + cost.step_per_seq_ms * batch + cost.step_per_ctx_token_ms * batch * context_tokens
+    ) / 1000
+    return batch / step_s * FRAME_SECONDS / TOKENS_PER_FRAME
