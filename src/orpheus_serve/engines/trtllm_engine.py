@@ -31,10 +31,12 @@ so the protocol parser downstream sees the same clean end as with the torch engi
 Sampling (DESIGN §3): `tensorrt_llm.SamplingParams(end_id=128258, pad_id=128263,
 temperature, top_p, top_k, repetition_penalty, seed, max_tokens,
 detokenize=False)`. With the TensorRT backend every request is sampled by the
-C++ executor's decoder, whose penalty kernel applies repetition_penalty; the
-PyTorch backend's default TorchSampler accepted and ignored it in the 1.x line
-(TensorRT-LLM PR #16485, issue #9442), which is one reason this backend loads
-the engine with `tensorrt_llm._tensorrt_engine.LLM`, not `tensorrt_llm.LLM`.
+C++ executor's decoder, whose penalty kernel applies repetition_penalty, so
+there is nothing more to switch on. The PyTorch backend's default TorchSampler
+accepted and ignored it in the 1.x line (only `sampler_type="TRTLLMSampler"`
+honoured it there; TensorRT-LLM PR #16485, issue #9442), which is one reason
+this backend loads the engine with `tensorrt_llm._tensorrt_engine.LLM`, not
+`tensorrt_llm.LLM`.
 max_tokens is clamped to max_seq_len - prompt length: the TensorRT backend
 rejects requests whose prompt + max_tokens exceed the engine's max_seq_len.
 A session without a seed gets a fresh random one (the runtime's default seed is
@@ -156,16 +158,19 @@ class FramePositionLogitsProcessor:
     forget_after_calls = 4096
 
     def __init__(self) -> None:
-        self._speech_start: dict[int, int] = {}
-        self._last_seen: dict[int, int] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._speech_start: dict[int, int] = {}  # runtime request id -> index of its start_of_speech
+        self._last_seen: dict[int, int] = {}  # runtime request id -> call count when last seen
         self._calls = 0
-        self._tables: dict[tuple[Any, Any, int], Any] = {}
+        self._tables: dict[tuple[Any, Any, int], Any] = {}  # (device, dtype, vocab) -> [7, vocab] mask
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}
+        return {}  # travels to the executor worker empty; tensors are rebuilt there on first use
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self._reset()
 
     def position(self, req_id: int, token_ids: Sequence[int]) -> int:
         """Audio position of the token about to be sampled for `req_id`."""
