@@ -81,7 +81,7 @@ CALIBRATION_TEXTS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
     "Your order number is 4 8 1 5, and it should arrive on Tuesday, March 3rd.",
     "Wait, what did you just say? <gasp> That can't be right.",
-    "Please hold the line while I transfer you to the next available agent.",
+    "Please hold the line while I transfer you to the next available representative.",
     "Streaming speech synthesis turns text into audio while the text is still being read.",
     "Honestly, I don't know. <sigh> Let me think about it for a second.",
     "The meeting has been moved to half past two in the afternoon.",
