@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -19,6 +20,11 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        skip_trt = pytest.mark.skip(reason="needs TensorRT-LLM 1.2.x (see docs/TENSORRT.md)")
+        for item in items:
+            if "tensorrt" in item.keywords:
+                item.add_marker(skip_trt)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -48,6 +48,7 @@ def sim_config(tiny_orpheus: Path, **overrides: Any) -> Config:
         "engine.backend": "sim",
         "engine.model_path": str(tiny_orpheus),
         "codec.decoder": "sim",
+        "codec.path": str(tiny_orpheus.parent / "tiny-snac"),  # unused by the sim codec; keeps the tiny fallback quiet
         "scheduler.max_concurrent_sessions": 32,
         "scheduler.max_batch_size": 32,
         "sampling.min_tokens": 28,

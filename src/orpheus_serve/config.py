@@ -44,6 +44,7 @@ class SchedulerConfig(_Strict):
     max_queue: int = Field(64, ge=0)
     policy: Literal["fair", "deadline"] = "fair"
     deadline_yield_s: float = Field(1.0, ge=0)
+    deadline_stalled_max_wait_s: float = Field(5.0, ge=0)
     next_chunk_lead_s: float = Field(1.5, ge=0)
 
     @model_validator(mode="after")
@@ -86,7 +87,7 @@ class TensorRTConfig(_Strict):
 class SimConfig(_Strict):
     step_base_ms: float = Field(9.0, ge=0)
     step_per_seq_ms: float = Field(0.12, ge=0)
-    step_per_ctx_token_ms: float = Field(0.00002, ge=0)
+    step_per_ctx_token_ms: float = Field(0.00004, ge=0)  # 112 KiB of KV per token at ~2.8 TB/s
     prefill_per_token_ms: float = Field(0.02, ge=0)
     end_after_frames: int | None = Field(None, ge=1)
     realtime: bool = True

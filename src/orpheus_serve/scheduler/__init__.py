@@ -1,0 +1,34 @@
+"""Session scheduling over KV-cache slots (pure Python; no torch, no engine imports).
+
+See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
+(slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to
+the codec), `events.py` (what the caller acts on), `simulate.py` (virtual-clock
+policy comparison on the sim engine).
+"""
+
+from .events import FINISH_REASONS, FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .flush import FlushPolicy, FrameBuffer
+from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
+from .scheduler import Scheduler, SchedulerStats
+from .session import Session, SessionRequest, SessionState
+from .slots import SlotAllocator
+
+__all__ = [
+    "FINISH_REASONS",
+    "DeadlinePolicy",
+    "FairPolicy",
+    "FlushPolicy",
+    "FrameBuffer",
+    "FramesReady",
+    "Scheduler",
+    "SchedulerEvent",
+    "SchedulerStats",
+    "SchedulingPolicy",
+    "Session",
+    "SessionFailed",
+    "SessionFinished",
+    "SessionRequest",
+    "SessionState",
+    "SlotAllocator",
+    "make_policy",
+]

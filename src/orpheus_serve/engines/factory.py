@@ -1,0 +1,35 @@
+"""`create_engine(config)`: the one place a TokenEngine backend is chosen.
+
+Each backend is imported only when selected: `tensorrt` pulls in TensorRT-LLM
+(which needs a CUDA GPU just to import) and `torch` the Llama implementation, so
+a server running the `sim` backend, or a CPU machine running `torch`, never
+touches TensorRT-LLM. Selecting `tensorrt` where it cannot run raises
+`EngineError` at once with one message naming what is missing (CUDA GPU,
+TensorRT-LLM 1.2.x) and how to get it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import EngineError, TokenEngine
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+
+def create_engine(config: Config) -> TokenEngine:
+    backend = config.engine.backend
+    if backend == "tensorrt":
+        from .trtllm_engine import TrtLlmEngine
+
+        return TrtLlmEngine.from_config(config)
+    if backend == "torch":
+        from .torch_engine import TorchEngine
+
+        return TorchEngine.from_config(config)
+    if backend == "sim":
+        from .sim_engine import SimEngine
+
+        return SimEngine.from_config(config)
+    raise EngineError(f"unknown engine.backend {backend!r}; expected torch, tensorrt or sim")

@@ -1,0 +1,97 @@
+"""When parsed frames leave for the codec (DESIGN §5, flush policy).
+
+The codec needs `lookahead_frames` frames after a frame before that frame's
+audio is final. So the first push waits for `flush_first_n_tokens` audio
+tokens plus the lookahead (1 + lookahead frames with the defaults), which
+lets the codec emit the first frame at once; after that a push goes out every
+`flush_every_n_tokens` new tokens; at the end everything left goes out with
+final=True. Each frame is handed out exactly once, in order.
+
+One refinement: right after the first audio the client holds a single frame
+(85 ms), less than the time the next `flush_every_n_tokens` take to generate
+even at full speed, so waiting for them would make every stream stall once
+at its start. While the client holds less than one regular push of audio the
+scheduler asks for an eager push: every whole frame goes out as soon as it is
+complete. Larger pushes resume once the buffer has grown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import SchedulerConfig
+from ..protocol import TOKENS_PER_FRAME
+
+_NO_FRAMES = np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushPolicy:
+    first_frames: int  # frames needed before the first push (first window + lookahead)
+    every_frames: int  # new frames per later push
+    lookahead_frames: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first_frames < 1 or self.every_frames < 1 or self.lookahead_frames < 0:
+            raise ValueError(f"invalid flush policy {self}")
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig, lookahead_frames: int = 0) -> FlushPolicy:
+        return cls(
+            first_frames=config.flush_first_n_tokens // TOKENS_PER_FRAME + lookahead_frames,
+            every_frames=config.flush_every_n_tokens // TOKENS_PER_FRAME,
+            lookahead_frames=lookahead_frames,
+        )
+
+    def audible_frames(self, flushed_frames: int, final: bool) -> int:
+        """Frames whose audio the codec can have produced after `flushed_frames` were pushed."""
+        return flushed_frames if final else max(0, flushed_frames - self.lookahead_frames)
+
+
+@dataclass(slots=True)
+class FrameBuffer:
+    """One session's parsed frames that have not been pushed to the codec yet."""
+
+    policy: FlushPolicy
+    flushed_frames: int = 0
+    flushes: int = 0
+    _pending: list[np.ndarray] = field(default_factory=list)
+    _pending_frames: int = 0
+
+    @property
+    def pending_frames(self) -> int:
+        return self._pending_frames
+
+    def add(self, frames: np.ndarray) -> None:
+        if frames.shape[0]:
+            self._pending.append(frames)
+            self._pending_frames += int(frames.shape[0])
+
+    def take_ready(self, *, eager: bool = False) -> np.ndarray | None:
+        """Every pending frame if the policy says a push is due now, else None.
+        `eager`: the client's buffer is thin, push any whole frame (after the first push)."""
+        needed = self.policy.every_frames if not eager else 1
+        if self.flushes == 0:
+            needed = self.policy.first_frames
+        if self._pending_frames < needed:
+            return None
+        return self._take()
+
+    def take_final(self) -> np.ndarray:
+        """Everything left (possibly no frames), for the last push."""
+        return self._take()
+
+    def _take(self) -> np.ndarray:
+        if not self._pending:
+            frames = _NO_FRAMES
+        elif len(self._pending) == 1:
+            frames = self._pending[0]
+        else:
+            frames = np.concatenate(self._pending, axis=0)
+        self._pending = []
+        self._pending_frames = 0
+        self.flushed_frames += int(frames.shape[0])
+        self.flushes += 1
+        return frames

@@ -1,0 +1,472 @@
+"""The session scheduler: sessions ⇄ KV-cache slots, one plan per engine step.
+
+Architecture (DESIGN §1, §5), in the style of vLLM v1's scheduler / engine-core split:
+
+    engine core thread:  plan = scheduler.schedule()      # pure: which slots do what
+                         out = engine.step(plan)          # the only model work
+                         events = scheduler.update(plan, out)
+    request side:        scheduler.submit(req) / scheduler.cancel(request_id)
+
+`schedule()` checks timeouts with the injected clock, releases the slots of
+sessions that ended since the last plan (the engine frees them before
+anything else in that same step, so a new session may take the slot in the
+same plan), picks at most `max_batch_size` decoding sessions by the policy
+(`policy.py`), and admits waiting sessions with chunked prefill: at most
+`prefill_chunk_tokens` prompt ids per step across all sessions.
+
+`update()` turns the engine's tokens into frames with one `protocol.
+FrameParser` per session, decides when frames go to the codec (`flush.py`)
+and ends sessions: end_of_speech -> "stop", `sampling.max_tokens` ->
+"length", a protocol error, an engine failure or a full context -> failed.
+It accepts tokens for slots that were not in `plan.decode` and several per
+slot, as engines with in-flight batching produce them.
+
+Events (`events.py`) are what the caller acts on: FramesReady for the codec,
+SessionFinished / SessionFailed for the client. Events that arise outside
+`update()` (cancel, timeouts found in `schedule()`) are queued and returned by
+the next `update()` or by `drain_events()`.
+
+Nothing here touches a model, a thread or a sleep. One lock makes the public
+methods safe to call from the request side while the engine core thread
+plans and updates; the lock is held only for this bookkeeping, never across
+an engine step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..config import SchedulerConfig
+from ..engines.base import PrefillChunk, StepOutput, StepPlan
+from ..protocol import FRAME_SECONDS, TOKENS_PER_FRAME, ProtocolError
+from ..synthesis import InvalidRequestError, QueueFullError
+from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .flush import FlushPolicy, FrameBuffer
+from .policy import SchedulingPolicy, make_policy
+from .session import Session, SessionRequest, SessionState
+from .slots import SlotAllocator
+
+_RETRY_MIN_S = 0.5
+_RETRY_MAX_S = 60.0
+_SESSION_S_SMOOTHING = 0.1  # weight of the newest session in the running mean used for retry hints
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    policy: str
+    total_sessions: int  # ever admitted to a slot
+    active_sessions: int  # holding a slot (prefilling or decoding)
+    pending_sessions: int  # waiting for a slot
+    max_concurrent: int  # slots
+    used_slots: int  # bound to a live session, or freed by the next plan
+    free_slots: int
+    priority_sessions: int  # active, before their first audio
+    total_tokens: int  # generated ids consumed
+    prefill_tokens: int
+    total_steps: int  # update() calls
+    total_batches: int  # steps that decoded at least one session
+    mean_batch_size: float  # sessions decoded per such step
+    finished: int  # stop or length
+    cancelled: int
+    failed: int
+    timed_out: int
+    rejected: int  # QueueFullError at submit
+    stray_tokens: int  # ids that arrived for a slot with no live session (dropped)
+
+    def as_dict(self) -> dict[str, int | float | str]:
+        return asdict(self)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_slots: int,
+        *,
+        lookahead_frames: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        max_seq_len: int | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._max_seq_len = max_seq_len
+        self._batch_limit = min(config.max_batch_size, num_slots)
+        self._slots = SlotAllocator(num_slots)
+        self._flush_policy = FlushPolicy.from_config(config, lookahead_frames)
+        self._policy: SchedulingPolicy = make_policy(
+            config, first_push_tokens=self._flush_policy.first_frames * TOKENS_PER_FRAME
+        )
+        self._lock = threading.Lock()
+
+        # Live sessions. Dicts keep insertion order: FIFO for `_waiting`, admission order for `_admitted`.
+        self._waiting: dict[str, Session] = {}
+        self._admitted: dict[str, Session] = {}
+        self._by_slot: dict[int, Session] = {}
+        self._pending_release: list[int] = []
+        self._events: list[SchedulerEvent] = []
+
+        self._order = 0
+        self._step = 0
+        self._mean_session_s: float | None = None
+        self._total_sessions = 0
+        self._total_tokens = 0
+        self._prefill_tokens = 0
+        self._total_batches = 0
+        self._decoded_sessions = 0
+        self._stray_tokens = 0
+        self._counts = {"finished": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "rejected": 0}
+
+    # ------------------------------------------------------------ request side
+
+    @property
+    def num_slots(self) -> int:
+        return self._slots.num_slots
+
+    @property
+    def policy_name(self) -> str:
+        return self._policy.name
+
+    def submit(self, req: SessionRequest) -> None:
+        """Queue a session. QueueFullError at once when every slot is taken and
+        `max_queue` requests already wait; InvalidRequestError for a request that
+        can never run (empty prompt, prompt too long, request id in use)."""
+        if not req.prompt_ids:
+            raise InvalidRequestError("empty prompt", param="prompt_ids")
+        if req.sampling.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+        token_limit = req.sampling.max_tokens
+        if self._max_seq_len is not None:
+            room = self._max_seq_len - len(req.prompt_ids)
+            if room < 7:
+                raise InvalidRequestError(
+                    f"prompt of {len(req.prompt_ids)} tokens leaves no room for audio within "
+                    f"max_seq_len={self._max_seq_len}",
+                    param="input",
+                )
+            token_limit = min(token_limit, room)
+        with self._lock:
+            if req.request_id in self._waiting or req.request_id in self._admitted:
+                raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+            free = self._slots.free_count + len(self._pending_release)
+            queued = len(self._waiting) - free  # waiting requests that no free slot will take
+            if queued >= self._config.max_queue:
+                self._counts["rejected"] += 1
+                retry = self._retry_after_s(queued)
+                raise QueueFullError(
+                    f"server busy: all {self.num_slots} synthesis slots are in use and "
+                    f"{max(queued, 0)} requests are already waiting (max_queue={self._config.max_queue}); "
+                    f"retry in {retry:.1f} s",
+                    retry_after_s=retry,
+                )
+            self._order += 1
+            session = Session(
+                request=req,
+                order=self._order,
+                buffer=FrameBuffer(self._flush_policy),
+                token_limit=token_limit,
+            )
+            self._waiting[req.request_id] = session
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a session now; idempotent, unknown ids are ignored. A waiting one
+        leaves the queue; a running one's slot is released by the next plan.
+        `reason` is reported verbatim in SessionFinished ("cancelled" unless the
+        caller ends it for a timeout or an error of its own)."""
+        with self._lock:
+            session = self._waiting.get(request_id) or self._admitted.get(request_id)
+            if session is None:
+                return
+            state = {"timeout": SessionState.TIMED_OUT, "error": SessionState.FAILED}.get(
+                reason, SessionState.CANCELLED
+            )
+            self._end(session, state, reason, self._clock(), self._events)
+
+    def fail_running(self, error: str) -> None:
+        """The engine failed as a whole: fail every session holding a slot.
+        Waiting sessions stay queued for whatever engine runs next."""
+        with self._lock:
+            now = self._clock()
+            for session in list(self._admitted.values()):
+                self._fail(session, error, now, self._events)
+
+    # ------------------------------------------------------------ engine side
+
+    def schedule(self) -> StepPlan:
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            plan = StepPlan()
+
+            # Releases first: the engine frees them before prefilling, so a slot can be reused at once.
+            for slot in self._pending_release:
+                self._slots.free(slot)
+            plan.release, self._pending_release = self._pending_release, []
+
+            decoding = [s for s in self._admitted.values() if s.state is SessionState.DECODING]
+            chosen = self._policy.select(decoding, self._batch_limit, now)
+            plan.decode = sorted(s.slot for s in chosen if s.slot is not None)
+
+            self._plan_prefill(plan, now)
+
+            for session in self._admitted.values():
+                priority = session.engine_priority
+                if session.reported_priority != priority and session.slot is not None:
+                    plan.priority[session.slot] = priority
+                    session.reported_priority = priority
+            return plan
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[SchedulerEvent]:
+        with self._lock:
+            self._step += 1
+            now = self._clock()
+            events, self._events = self._events, []
+
+            prefill_token_slots: set[int] = set()
+            for chunk in plan.prefill:
+                session = self._by_slot.get(chunk.slot)
+                if session is None or session.request_id != chunk.request_id or chunk.slot in output.failed:
+                    continue  # ended since the plan was made, or failing below
+                self._prefill_tokens += chunk.end - chunk.start
+                if session.state is SessionState.PREFILLING:
+                    session.prefilled = max(session.prefilled, chunk.end)
+                    if chunk.is_last:
+                        session.state = SessionState.DECODING
+                        session.last_decoded_step = self._step
+                        prefill_token_slots.add(chunk.slot)
+
+            for slot, error in output.failed.items():
+                session = self._by_slot.get(slot)
+                if session is not None:
+                    self._fail(session, f"engine error: {error}", now, events)
+
+            decoded = 0
+            for slot, ids in output.tokens.items():
+                session = self._by_slot.get(slot)
+                if session is None:
+                    self._stray_tokens += len(ids)
+                    continue
+                if not ids:
+                    continue
+                if slot not in prefill_token_slots:
+                    decoded += 1
+                self._consume(session, ids, now, events)
+
+            for slot, reason in output.finished.items():
+                session = self._by_slot.get(slot)
+                if session is not None:  # the engine stopped it without an end the parser saw
+                    self._complete(session, "stop" if reason == "stop" else "length", now, events)
+
+            if decoded:
+                self._total_batches += 1
+                self._decoded_sessions += decoded
+            return events
+
+    def drain_events(self) -> list[SchedulerEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def session_state(self, request_id: str) -> SessionState | None:
+        """State of a live session; None once it has ended (or was never submitted)."""
+        with self._lock:
+            session = self._waiting.get(request_id) or self._admitted.get(request_id)
+            return None if session is None else session.state
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._admitted or self._pending_release)
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return SchedulerStats(
+                policy=self._policy.name,
+                total_sessions=self._total_sessions,
+                active_sessions=len(self._admitted),
+                pending_sessions=len(self._waiting),
+                max_concurrent=self.num_slots,
+                used_slots=self._slots.used_count,
+                free_slots=self._slots.free_count,
+                priority_sessions=sum(not s.had_first_audio for s in self._admitted.values()),
+                total_tokens=self._total_tokens,
+                prefill_tokens=self._prefill_tokens,
+                total_steps=self._step,
+                total_batches=self._total_batches,
+                mean_batch_size=self._decoded_sessions / self._total_batches if self._total_batches else 0.0,
+                finished=self._counts["finished"],
+                cancelled=self._counts["cancelled"],
+                failed=self._counts["failed"],
+                timed_out=self._counts["timed_out"],
+                rejected=self._counts["rejected"],
+                stray_tokens=self._stray_tokens,
+            )
+
+    # ------------------------------------------------------------ internals
+
+    def _plan_prefill(self, plan: StepPlan, now: float) -> None:
+        budget = self._config.prefill_chunk_tokens
+        # Prompts already started go on first (admission order), then new admissions (FIFO).
+        for session in self._admitted.values():
+            if budget <= 0:
+                return
+            if session.state is SessionState.PREFILLING and session.prefilled < session.prompt_len:
+                budget -= self._add_chunk(plan, session, budget)
+        while budget > 0 and self._waiting and self._slots.free_count:
+            session = self._waiting.pop(next(iter(self._waiting)))
+            slot = self._slots.allocate()
+            assert slot is not None  # free_count was checked
+            session.slot = slot
+            session.state = SessionState.PREFILLING
+            session.admitted_s = now
+            session.last_decoded_step = self._step
+            self._admitted[session.request_id] = session
+            self._by_slot[slot] = session
+            self._total_sessions += 1
+            budget -= self._add_chunk(plan, session, budget)
+
+    def _add_chunk(self, plan: StepPlan, session: Session, budget: int) -> int:
+        assert session.slot is not None
+        start = session.prefilled
+        end = min(session.prompt_len, start + budget)
+        priority = session.engine_priority
+        session.reported_priority = priority
+        plan.prefill.append(
+            PrefillChunk(
+                slot=session.slot,
+                request_id=session.request_id,
+                prompt_ids=session.request.prompt_ids,
+                start=start,
+                end=end,
+                sampling=session.request.sampling,
+                priority=priority,
+            )
+        )
+        # Marked as sent now so a later plan continues after it even if update() lags a step behind.
+        session.prefilled = end
+        return end - start
+
+    def _expire(self, now: float) -> None:
+        queue_timeout = self._config.queue_timeout_s
+        for session in list(self._waiting.values()):
+            if now - session.request.arrival_s > queue_timeout:
+                self._end(session, SessionState.TIMED_OUT, "timeout", now, self._events)
+        session_timeout = self._config.session_timeout_s
+        for session in list(self._admitted.values()):
+            assert session.admitted_s is not None
+            if now - session.admitted_s > session_timeout:
+                self._end(session, SessionState.TIMED_OUT, "timeout", now, self._events)
+
+    def _consume(self, session: Session, ids: list[int], now: float, events: list[SchedulerEvent]) -> None:
+        if session.state is SessionState.PREFILLING:
+            # An engine that schedules itself finished the prompt on its own.
+            session.state = SessionState.DECODING
+            session.prefilled = session.prompt_len
+        if session.first_token_at is None:
+            session.first_token_at = now
+        session.last_decoded_step = self._step
+
+        frames: list[np.ndarray] = []
+        outcome: str | None = None
+        for token in ids:
+            session.generated += 1
+            self._total_tokens += 1
+            try:
+                frame = session.parser.feed(token)
+            except ProtocolError as exc:
+                self._fail(session, f"protocol error: {exc}", now, events)
+                return
+            if frame is not None:
+                frames.append(frame)
+            if session.parser.ended:
+                outcome = "stop"
+                break
+            if session.generated >= session.token_limit:
+                outcome = "length"
+                break
+        # Ids past the end (an engine that streams ahead) are dropped with the session.
+        if frames:
+            session.buffer.add(np.stack(frames))
+        if outcome == "length" and session.token_limit < session.request.sampling.max_tokens:
+            self._fail(
+                session,
+                f"context full: prompt {session.prompt_len} + {session.generated} generated tokens "
+                f"reached max_seq_len={self._max_seq_len}",
+                now,
+                events,
+            )
+        elif outcome is not None:
+            self._complete(session, outcome, now, events)
+        else:
+            ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now))
+            if ready is not None:
+                session.record_flush(now, int(ready.shape[0]), final=False)
+                events.append(FramesReady(session.request_id, ready, final=False))
+
+    def _buffer_is_thin(self, session: Session, now: float) -> bool:
+        """The client holds less audio than one regular push: frames should go out one by one."""
+        if session.playback_end_s is None:
+            return False
+        # (less a microsecond, so that exactly one push's worth, summed frame by frame, is not thin)
+        return session.playback_end_s - now < self._flush_policy.every_frames * FRAME_SECONDS - 1e-6
+
+    def _complete(self, session: Session, reason: str, now: float, events: list[SchedulerEvent]) -> None:
+        """stop / length: hand out every frame left, then end."""
+        frames = session.buffer.take_final()
+        session.record_flush(now, int(frames.shape[0]), final=True)
+        events.append(FramesReady(session.request_id, frames, final=True))
+        self._end(session, SessionState.FINISHED, reason, now, events)
+
+    def _fail(self, session: Session, error: str, now: float, events: list[SchedulerEvent]) -> None:
+        events.append(SessionFailed(session.request_id, error))
+        self._end(session, SessionState.FAILED, "error", now, events)
+
+    def _end(
+        self, session: Session, state: SessionState, reason: str, now: float, events: list[SchedulerEvent]
+    ) -> None:
+        req = session.request
+        if session.slot is not None:
+            del self._by_slot[session.slot]
+            self._pending_release.append(session.slot)
+            del self._admitted[req.request_id]
+            assert session.admitted_s is not None
+            duration = now - session.admitted_s
+            self._mean_session_s = (
+                duration
+                if self._mean_session_s is None
+                else (1 - _SESSION_S_SMOOTHING) * self._mean_session_s + _SESSION_S_SMOOTHING * duration
+            )
+        else:
+            del self._waiting[req.request_id]
+        session.state = state
+        self._counts[
+            {
+                SessionState.FINISHED: "finished",
+                SessionState.CANCELLED: "cancelled",
+                SessionState.FAILED: "failed",
+                SessionState.TIMED_OUT: "timed_out",
+            }[state]
+        ] += 1
+        queue_end = session.admitted_s if session.admitted_s is not None else now
+        events.append(
+            SessionFinished(
+                request_id=req.request_id,
+                reason=reason,
+                tokens=session.generated,
+                frames=session.buffer.flushed_frames,
+                queue_s=max(0.0, queue_end - req.arrival_s),
+                first_token_s=None if session.first_token_at is None else session.first_token_at - req.arrival_s,
+            )
+        )
+
+    def _retry_after_s(self, queued: int) -> float:
+        """Rough time until this client would get a slot: the queue ahead of it
+        drains at about one slot per (mean session time / slots)."""
+        mean_s = self._mean_session_s if self._mean_session_s is not None else 1.0
+        estimate = mean_s * (max(queued, 0) + 1) / self.num_slots
+        return float(min(_RETRY_MAX_S, max(_RETRY_MIN_S, math.ceil(estimate * 10) / 10)))

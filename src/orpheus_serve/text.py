@@ -1,0 +1,176 @@
+"""Text normalisation and splitting of long text into sentence chunks.
+
+Orpheus is prompted with one chunk at a time; a chunk should be a few whole
+sentences so its prosody is natural, and short enough that its first audio
+comes fast and the model stays stable. `split_text` packs whole sentences
+into chunks of at most `max_chars`; a sentence longer than that is cut at
+clause boundaries (, ; : and dashes), then between words, and a single
+word longer than the limit is cut between characters. An emotion tag such as
+`<laugh>` is never cut.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+_TRANSLATE = str.maketrans(
+    {
+        "\u2018": "'",  # ‘
+        "\u2019": "'",  # ’
+        "\u201a": "'",  # ‚
+        "\u201b": "'",  # ‛
+        "\u2032": "'",  # ′
+        "\u201c": '"',  # “
+        "\u201d": '"',  # ”
+        "\u201e": '"',  # „
+        "\u201f": '"',  # ‟
+        "\u2033": '"',  # ″
+        "\u00ab": '"',  # «
+        "\u00bb": '"',  # »
+        "\u2010": "-",  # hyphen
+        "\u2011": "-",  # non-breaking hyphen
+        "\u2012": "-",  # figure dash
+        "\u2013": "-",  # en dash: ranges such as 1990–1995
+        "\u2212": "-",  # minus sign
+        "\u2014": " - ",  # em dash: a pause between clauses
+        "\u2015": " - ",  # horizontal bar
+        "\u2026": "...",  # ellipsis
+        "\u00a0": " ",  # no-break space
+        "\u202f": " ",  # narrow no-break space
+        "\u2009": " ",  # thin space
+        "\u200b": "",  # zero-width space
+        "\u200c": "",  # zero-width non-joiner
+        "\u200d": "",  # zero-width joiner
+        "\u2060": "",  # word joiner
+        "\ufeff": "",  # byte-order mark
+    }
+)
+_SPACE_RUN = re.compile(r"\s+")
+_SPACE_BEFORE_PUNCT = re.compile(r" +([,;:.!?])")
+
+# Emotion tags and any other <word> markup are atomic.
+_TAG = re.compile(r"<[A-Za-z_][A-Za-z0-9_-]*>")
+
+# A sentence ends with . ! ? (possibly repeated, possibly followed by closing quotes or brackets)
+# and then whitespace.
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s)")
+# A clause ends after , ; : or before a spaced dash.
+_CLAUSE_END = re.compile(r"[,;:]+[\"')\]]*(?=\s)|(?<=\s)-(?=\s)")
+_ABBREVIATIONS = frozenset(
+    ("mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "approx", "dept", "inc", "ltd")
+)
+
+
+def normalize_text(text: str) -> str:
+    """Unicode quotes, dashes, ellipses and odd spaces to plain ASCII forms;
+    control characters dropped; whitespace runs (newlines included) collapsed."""
+    text = unicodedata.normalize("NFC", text).translate(_TRANSLATE)
+    # Control characters separate words; invisible format characters (soft hyphens, joiners) are dropped.
+    text = "".join(" " if unicodedata.category(ch) == "Cc" else ch for ch in text if unicodedata.category(ch) != "Cf")
+    text = _SPACE_RUN.sub(" ", text).strip()
+    return _SPACE_BEFORE_PUNCT.sub(r"\1", text)
+
+
+def split_text(text: str, max_chars: int = 200) -> list[str]:
+    """Normalised `text` as chunks of at most `max_chars` characters, whole sentences where they fit."""
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    text = normalize_text(text)
+    if not text:
+        return []
+    longest_tag = max((len(m.group()) for m in _TAG.finditer(text)), default=0)
+    if longest_tag > max_chars:
+        raise ValueError(f"max_chars={max_chars} is shorter than the tag of {longest_tag} characters in the text")
+    pieces: list[str] = []
+    for sentence in _split_at(text, _SENTENCE_END, _is_sentence_end):
+        pieces += _fit_sentence(sentence, max_chars)
+    return _pack(pieces, max_chars)
+
+
+def _is_sentence_end(text: str, match: re.Match[str]) -> bool:
+    """False for the dot of an abbreviation or an initial ("Dr. Smith", "J. R. R. Tolkien", "e.g. this")."""
+    if not match.group().startswith(".") or match.group().startswith(".."):
+        return True
+    following = text[match.end() :].lstrip()[:1]
+    if following.islower():  # a sentence does not start in lower case: "at 5 p.m. on Monday"
+        return False
+    word = text[: match.start()].rsplit(" ", 1)[-1].lower().lstrip("(\"'")
+    if word in _ABBREVIATIONS:
+        return False
+    return not (len(word) == 1 and word.isalpha())
+
+
+def _split_at(text: str, pattern: re.Pattern[str], accept=lambda text, m: True) -> list[str]:
+    """`text` cut after each accepted match of `pattern`, pieces stripped, none empty, none inside a tag."""
+    tags = [(m.start(), m.end()) for m in _TAG.finditer(text)]
+    pieces: list[str] = []
+    start = 0
+    for match in pattern.finditer(text):
+        end = match.end()
+        if any(a < end < b for a, b in tags) or not accept(text, match):
+            continue
+        piece = text[start:end].strip()
+        if piece:
+            pieces.append(piece)
+        start = end
+    rest = text[start:].strip()
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
+def _fit_sentence(sentence: str, max_chars: int) -> list[str]:
+    """One sentence as pieces of at most max_chars: clauses, then words, then characters."""
+    if len(sentence) <= max_chars:
+        return [sentence]
+    pieces: list[str] = []
+    for clause in _split_at(sentence, _CLAUSE_END):
+        if len(clause) <= max_chars:
+            pieces.append(clause)
+            continue
+        for word in _words(clause):
+            pieces += [word] if len(word) <= max_chars else _cut_word(word, max_chars)
+    return _pack(pieces, max_chars)
+
+
+def _words(text: str) -> list[str]:
+    return text.split(" ")
+
+
+def _cut_word(word: str, max_chars: int) -> list[str]:
+    """A run without spaces longer than max_chars, cut between characters but never inside a tag."""
+    atoms: list[str] = []
+    pos = 0
+    for m in _TAG.finditer(word):
+        atoms += list(word[pos : m.start()])
+        atoms.append(m.group())
+        pos = m.end()
+    atoms += list(word[pos:])
+    out: list[str] = []
+    current = ""
+    for atom in atoms:
+        if current and len(current) + len(atom) > max_chars:
+            out.append(current)
+            current = ""
+        current += atom
+    if current:
+        out.append(current)
+    return out
+
+
+def _pack(pieces: list[str], max_chars: int) -> list[str]:
+    """Join consecutive pieces with a space while the result fits in max_chars."""
+    chunks: list[str] = []
+    current = ""
+    for piece in pieces:
+        if not current:
+            current = piece
+        elif len(current) + 1 + len(piece) <= max_chars:
+            current = f"{current} {piece}"
+        else:
+            chunks.append(current)
+            current = piece
+    if current:
+        chunks.append(current)
+    return chunks
