@@ -93,8 +93,9 @@ class ServingMetrics:
         self.audio_seconds = Counter("orpheus:audio_seconds", "Seconds of audio generated.", registry=r)
         self.requests_queued = Counter("orpheus:requests_queued", "Requests admitted to the service queue.",
                                        registry=r)
-        self.requests_rejected = Counter("orpheus:requests_rejected", "Requests the service refused, by reason.",
-                                         ["reason"], registry=r)
+        # No reason label: the service reports a free-text message, which would make unbounded label values.
+        self.requests_rejected = Counter("orpheus:requests_rejected", "Requests the service refused (queue full).",
+                                         registry=r)
         self.finished = Counter("orpheus:requests_finished", "Requests the service finished, by finish reason.",
                                 ["finish_reason"], registry=r)
         self.requests = Counter("orpheus:requests", "Requests seen by the gateway, by protocol and outcome.",
@@ -118,7 +119,7 @@ class ServingMetrics:
             self.real_time_factor.observe(metrics.rtf)
 
     def on_request_rejected(self, reason: str) -> None:
-        self.requests_rejected.labels(reason).inc()
+        self.requests_rejected.inc()
 
     # ---------------------------------------------------------- gateway figures
 
