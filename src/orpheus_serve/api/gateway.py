@@ -371,6 +371,8 @@ def first_validation_error(errors: list[Mapping[str, Any]], skip: tuple[str, ...
     kind = err.get("type", "")
     if kind == "json_invalid":
         return InvalidRequestError("the request body is not valid JSON", param=None)
+    if param is None and kind in ("model_attributes_type", "model_type", "dict_type"):
+        return InvalidRequestError("the request must be a JSON object (Content-Type: application/json)", param=None)
     if kind == "extra_forbidden":
         return InvalidRequestError(f"unrecognized request argument supplied: {param}", param=param)
     if kind == "missing":
