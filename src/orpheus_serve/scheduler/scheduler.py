@@ -31,7 +31,7 @@ SessionFinished / SessionFailed for the client. Events that arise outside
 `update()` (cancel, timeouts found in `schedule()`) are queued and returned by
 the next `update()` or by `drain_events()`.
 
-Nothing here touches a model, a thread or a sleep. One lock makes the public
+Nothing here runs a model, starts a thread or sleeps. One lock makes the public
 methods safe to call from the request side while the engine core thread
 plans and updates; the lock is held only for this bookkeeping, never across
 an engine step.
