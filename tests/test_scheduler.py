@@ -557,3 +557,58 @@ def test_priority_events_and_stats_snapshot() -> None:
     assert (stats.active_sessions, stats.priority_sessions, stats.max_concurrent) == (1, 0, 2)
     assert stats.total_steps == 12 and stats.total_batches == 11 and stats.mean_batch_size == 1.0
     assert set(stats.as_dict()) >= {"total_sessions", "active_sessions", "pending_sessions", "max_concurrent"}
+
+
+def test_random_traffic_with_cancels_and_timeouts_keeps_every_invariant() -> None:
+    from orpheus_serve.config import SimConfig
+    from orpheus_serve.engines.sim_engine import SimEngine
+
+    clock = FakeClock()
+    cfg = config(max_batch_size=6, prefill_chunk_tokens=64, max_queue=5, session_timeout_s=2.0, policy="deadline")
+    sched = Scheduler(cfg, num_slots=8, lookahead_frames=1, clock=clock)
+    engine = SimEngine(8, 4096, SimConfig(realtime=False), clock_advance=clock.advance)
+    rng = np.random.default_rng(5)
+    submitted: set[str] = set()
+    finished: dict[str, SessionFinished] = {}
+    frames: dict[str, int] = {}
+    finals: set[str] = set()
+    for step in range(600):
+        if rng.random() < 0.3:
+            rid = f"r{step}"
+            try:
+                sched.submit(request(rid, clock, prompt_len=int(rng.integers(5, 150)), max_tokens=7 * 16))
+                submitted.add(rid)
+            except QueueFullError:
+                pass
+        if submitted and rng.random() < 0.05:
+            sched.cancel(sorted(submitted)[int(rng.integers(len(submitted)))])
+        plan = sched.schedule()
+        assert not set(plan.decode) & {c.slot for c in plan.prefill}
+        assert len(plan.decode) <= 6 and sum(c.end - c.start for c in plan.prefill) <= 64
+        out = engine.step(plan)
+        assert out.failed == {}, out.failed  # the scheduler never sends the engine an invalid plan
+        for e in sched.update(plan, out):
+            assert e.request_id in submitted and e.request_id not in finished  # nothing after the end
+            if isinstance(e, FramesReady):
+                assert e.request_id not in finals
+                frames[e.request_id] = frames.get(e.request_id, 0) + e.num_frames
+                if e.final:
+                    finals.add(e.request_id)
+            elif isinstance(e, SessionFinished):
+                finished[e.request_id] = e
+                assert e.frames == frames.get(e.request_id, 0)
+                assert (e.request_id in finals) == (e.reason in ("stop", "length"))
+        clock.advance(0.002)
+    while sched.has_work:
+        for rid in list(submitted - set(finished)):
+            sched.cancel(rid)
+        plan = sched.schedule()
+        for e in sched.update(plan, engine.step(plan)):
+            if isinstance(e, SessionFinished):
+                finished[e.request_id] = e
+    assert set(finished) == submitted
+    reasons = {e.reason for e in finished.values()}
+    assert {"stop", "cancelled", "timeout"} <= reasons
+    stats = sched.stats()
+    assert (stats.used_slots, stats.active_sessions, stats.pending_sessions) == (0, 0, 0)
+    assert stats.finished + stats.cancelled + stats.timed_out == len(submitted)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 
 _TRANSLATE = str.maketrans(
     {
@@ -101,7 +102,13 @@ def _is_sentence_end(text: str, match: re.Match[str]) -> bool:
     return not (len(word) == 1 and word.isalpha())
 
 
-def _split_at(text: str, pattern: re.Pattern[str], accept=lambda text, m: True) -> list[str]:
+def _always(text: str, match: re.Match[str]) -> bool:
+    return True
+
+
+def _split_at(
+    text: str, pattern: re.Pattern[str], accept: Callable[[str, re.Match[str]], bool] = _always
+) -> list[str]:
     """`text` cut after each accepted match of `pattern`, pieces stripped, none empty, none inside a tag."""
     tags = [(m.start(), m.end()) for m in _TAG.finditer(text)]
     pieces: list[str] = []

@@ -21,12 +21,17 @@ and ends sessions: end_of_speech -> "stop", `sampling.max_tokens` ->
 It accepts tokens for slots that were not in `plan.decode` and several per
 slot, as engines with in-flight batching produce them.
 
+Timeouts: a session waiting for a slot longer than `queue_timeout_s` (from
+its arrival) or holding one longer than `session_timeout_s` (from its
+admission) ends with "timeout". `submit()` refuses at once (QueueFullError,
+with a retry hint) when every slot is taken and `max_queue` requests wait.
+
 Events (`events.py`) are what the caller acts on: FramesReady for the codec,
 SessionFinished / SessionFailed for the client. Events that arise outside
 `update()` (cancel, timeouts found in `schedule()`) are queued and returned by
 the next `update()` or by `drain_events()`.
 
-Nothing here touches a model, a thread or a sleep. One lock makes the public
+Nothing here runs a model, starts a thread or sleeps. One lock makes the public
 methods safe to call from the request side while the engine core thread
 plans and updates; the lock is held only for this bookkeeping, never across
 an engine step.
