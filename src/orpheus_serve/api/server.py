@@ -24,6 +24,7 @@ import threading
 from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 import uvicorn
 
 from ..config import Config
@@ -107,6 +108,9 @@ class OrpheusServer:
         log.info("listening: HTTP/WebSocket on %s:%d, gRPC on %s:%d (model %s, backend %s); warming up",
                  server_cfg.host, self.http_port, server_cfg.host, self.grpc_port, info.id, info.backend)
         await self.service.start()
+        # Starlette streams every response through anyio, whose asyncio backend loads on first use: load it
+        # now rather than inside the first client's time to first byte (hundreds of ms on a busy disk).
+        await anyio.sleep(0)
         if self._uvicorn_task.done():
             # uvicorn failed to start: surface its error instead of serving gRPC alone.
             await self._uvicorn_task
