@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..audio import AudioOptionError, AudioStreamEncoder, check_output_options
+from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
 from ..metrics import ServingMetrics
 from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
@@ -61,6 +63,11 @@ class OutputOptions:
     format: str = "pcm"
     sample_rate: int = SAMPLE_RATE
     speed: float = 1.0
+
+    @property
+    def passthrough(self) -> bool:
+        """Raw PCM (or WAV) at the model's rate and speed: the chunk's bytes as they are."""
+        return self.format in ("pcm", "wav") and self.sample_rate == SAMPLE_RATE and self.speed == 1.0
 
 
 class ConnectionLease:
@@ -116,6 +123,14 @@ class Gateway:
         self.started_at = time.time()
         self.metrics = ServingMetrics(service.stats, self.figures)
         service.add_observer(self.metrics)
+        # Compressed encoding, resampling and tempo cost milliseconds per chunk; PyAV releases the GIL while
+        # it works, so they run here instead of on the event loop that serves every stream.
+        self.encode_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                              thread_name_prefix="audio-encode")
+
+    def close(self) -> None:
+        """Release the encoding threads (after the listeners are closed)."""
+        self.encode_pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------ admission
 
@@ -237,7 +252,7 @@ class SpeechStream:
         self.output = output
         self.protocol = protocol
         self.received_at = received_at
-        self.encoder = AudioStreamEncoder(output.format, sample_rate=output.sample_rate, speed=output.speed)
+        self.encoder: AudioStreamEncoder | None = None
         self.metrics: SynthesisMetrics | None = None
         self.first_byte_s: float | None = None
         self._lease = lease
@@ -250,7 +265,16 @@ class SpeechStream:
 
     @property
     def content_type(self) -> str:
-        return self.encoder.content_type
+        return CONTENT_TYPES[self.output.format]
+
+    async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run an encoder call off the loop unless it is a plain copy. Calls of one stream never overlap."""
+        if self.output.passthrough:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.gateway.encode_pool, fn, *args)
+
+    def _new_encoder(self) -> AudioStreamEncoder:
+        return AudioStreamEncoder(self.output.format, sample_rate=self.output.sample_rate, speed=self.output.speed)
 
     async def _run_pump(self) -> None:
         items = self.gateway.service.synthesize(self.request)
@@ -267,6 +291,8 @@ class SpeechStream:
     async def start(self, disconnected: Callable[[], Awaitable[object]] | None = None) -> bool:
         """Wait for the first item; raise its error if it is one. False if the client left first."""
         self._pump = asyncio.create_task(self._run_pump(), name=f"speech-{self.request.request_id}")
+        # Opening a container encoder takes milliseconds: done while the first audio is being generated.
+        self.encoder = await self._in_pool(self._new_encoder)
         first = asyncio.ensure_future(self._queue.get())
         waiters: set[asyncio.Future[Any]] = {first}
         watcher = None if disconnected is None else asyncio.ensure_future(disconnected())
@@ -295,6 +321,8 @@ class SpeechStream:
         """
         item = self._head
         self._head = None
+        encoder = self.encoder
+        assert encoder is not None, "audio() before start()"
         while True:
             if item is None:
                 item = await self._queue.get()
@@ -305,13 +333,13 @@ class SpeechStream:
                 raise item
             if isinstance(item, SynthesisMetrics):
                 self.metrics = item
-                tail = self.encoder.flush()
+                tail = await self._in_pool(encoder.flush)
                 self._status = "ok"
                 if tail:
                     yield self._mark(tail)
                 return
             assert isinstance(item, AudioChunk)
-            data = self.encoder.encode(item.pcm)
+            data = await self._in_pool(encoder.encode, item.pcm)
             if data:
                 yield self._mark(data)
             item = None
@@ -330,7 +358,7 @@ class SpeechStream:
         out["format"] = self.output.format
         out["sample_rate"] = self.output.sample_rate
         out["speed"] = self.output.speed
-        out["bytes"] = self.encoder.bytes_out
+        out["bytes"] = self.encoder.bytes_out if self.encoder is not None else 0
         return out
 
     async def close(self, error: BaseException | None = None) -> None:

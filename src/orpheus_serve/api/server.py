@@ -137,6 +137,7 @@ class OrpheusServer:
             await self._uvicorn_task
         if self._grpc is not None:
             await self._grpc.stop(_LISTENER_CLOSE_S)
+        self.gateway.close()
         log.info("stopped")
 
     async def __aenter__(self) -> OrpheusServer:
