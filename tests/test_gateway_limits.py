@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import selectors
@@ -129,8 +130,9 @@ def test_full_service_answers_503_with_retry_after_and_resource_exhausted(server
 def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
     base = server.base_url
     url = api_client.stream_url(base)
-    sockets = [ws_connect(url, additional_headers=GOOD) for _ in range(3)]
-    try:
+    with contextlib.ExitStack() as sockets:
+        for _ in range(3):
+            sockets.enter_context(ws_connect(url, additional_headers=GOOD))
         wait_for(lambda: httpx.get(f"{base}/v1/stats", headers=GOOD).json()["gateway"]["open_connections"] == 3,
                  2.0, "three WebSockets counted")
         check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "hi"}, headers=GOOD), 503,
@@ -146,9 +148,6 @@ def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
                 list(pb_grpc.SynthesizerStub(channel).Synthesize(
                     pb.SynthesizeRequest(text="hi"), metadata=(("authorization", f"Bearer {KEYS[0]}"),)))
             assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        for ws in sockets:
-            ws.close()
     wait_for(lambda: _idle(server), 2.0, "connections released")
     assert httpx.post(f"{base}/v1/audio/speech", json={"input": "hi", "max_tokens": 28},
                       headers=GOOD).status_code == 200

@@ -158,10 +158,11 @@ def test_websocket_cancel_then_the_socket_serves_the_next_request(server: Server
 
 
 def test_websocket_disconnect_mid_stream_frees_the_slot(server: ServerThread) -> None:
-    ws = ws_connect(api_client.stream_url(server.base_url))
-    ws.send(json.dumps({"text": "A long story.", **LONG}))
-    assert isinstance(ws.recv(timeout=30), bytes)
-    ws.close()
+    with ws_connect(api_client.stream_url(server.base_url)) as ws:
+        ws.send(json.dumps({"text": "A long story.", **LONG}))
+        assert isinstance(ws.recv(timeout=30), bytes)
+        assert _active_sessions(server) >= 1
+    # Leaving the block closed the socket mid-stream.
     wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after WebSocket disconnect")
 
 
