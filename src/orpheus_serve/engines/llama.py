@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -294,7 +294,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """tokens, positions [B, T]; slots [B]; every position < kv_len <= max_seq_len.
-        Returns the final-norm hidden states [B, T, dim] (project with `logits`)."""
+        Returns the final-norm hidden states [B, T, dim]: the caller projects only the rows and
+        vocabulary entries it needs (`logits`, or sampling.constrained_logits)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         G = self.config.n_heads // self.config.n_kv_heads
         B, T = tokens.shape
@@ -306,26 +307,19 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """[..., dim] -> fp32 logits [..., vocab]."""
+        """[..., dim] -> fp32 logits [..., vocab] (the full output projection)."""
         return self.output(hidden).float()
 
-    def prefill(self, tokens: Tensor, slot: int, start: int, *,
-                logits: Literal["last", "all", "none"] = "last") -> Tensor | None:
-        """Run prompt tokens [T] of one slot at positions start..start+T-1. Returns fp32 logits of
-        the last position [vocab], of every position [T, vocab], or nothing (a chunk mid-prompt)."""
+    def prefill(self, tokens: Tensor, slot: int, start: int) -> Tensor:
+        """Prompt tokens [T] of one slot at positions start..start+T-1 -> hidden states [T, dim]."""
         T = tokens.shape[0]
-        device = tokens.device
-        positions = torch.arange(start, start + T, device=device).unsqueeze(0)  # [1, T]
-        slots = torch.tensor([slot], device=device)
-        hidden = self.forward(tokens.unsqueeze(0), slots, positions, start + T)[0]  # [T, dim]
-        if logits == "none":
-            return None
-        return self.logits(hidden) if logits == "all" else self.logits(hidden[-1])
+        positions = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)  # [1, T]
+        slots = torch.tensor([slot], device=tokens.device)
+        return self.forward(tokens.unsqueeze(0), slots, positions, start + T)[0]
 
     def decode(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        """One token per row: tokens, slots, positions [B] -> fp32 logits [B, vocab]."""
-        hidden = self.forward(tokens.unsqueeze(1), slots, positions.unsqueeze(1), kv_len)
-        return self.logits(hidden[:, 0])
+        """One token per row: tokens, slots, positions [B] -> hidden states [B, dim]."""
+        return self.forward(tokens.unsqueeze(1), slots, positions.unsqueeze(1), kv_len)[:, 0]
 
 
 # ----------------------------------------------------------------------------- loading

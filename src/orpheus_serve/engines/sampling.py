@@ -11,9 +11,10 @@ and float ops on device, with no host sync, so it can sit inside a CUDA graph.
 Constrained decoding: the step of a session is also its audio position p (the prompt ends with
 start_of_speech, so the first generated token is audio position 0). Only the 4096 ids of slot
 p % 7 can be drawn, plus end_of_speech when p % 7 == 0. Constrained rows are sampled over that
-candidate set of 4097 ids instead of the whole 156940-id vocabulary (same result, ~38x less
-sorting); a row's candidates carry their token ids, so the noise, and hence the draw, is
-identical either way.
+candidate set of 4097 ids instead of the whole 156940-id vocabulary: the output projection only
+computes the 7 x 4096 audio rows and end_of_speech (`constrained_logits`), and sorting for top-p
+covers 4097 values, not 156940. The candidates carry their token ids, so the noise, and hence
+the draw, is the one a full-vocabulary mask would give.
 """
 
 from __future__ import annotations
@@ -39,17 +40,17 @@ def mix32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
-def counter_uniform(seed: Tensor, step: Tensor, token_ids: Tensor) -> Tensor:
-    """Uniform noise in (0, 1), a pure function of (seed, step, token id).
-    seed, step [B] int64 (seed >= 0); token_ids [B, C] int64 -> [B, C] fp32."""
+def counter_uniform(seed: Tensor, step: Tensor, token_hash: Tensor) -> Tensor:
+    """Uniform noise in (0, 1), a pure function of (seed, step, token).
+    seed, step [B] int64 (seed >= 0); token_hash [B, C] = mix32(token id) -> [B, C] fp32."""
     row = mix32((seed & MASK32) ^ mix32(((seed >> 32) & MASK32) ^ mix32(step & MASK32)))  # [B]
     row2 = mix32((row + GOLDEN32) & MASK32)
-    x = mix32(mix32(row.unsqueeze(1) ^ mix32(token_ids)) ^ row2.unsqueeze(1))  # [B, C]
+    x = mix32(mix32(row.unsqueeze(1) ^ token_hash) ^ row2.unsqueeze(1))  # [B, C]
     return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
 
 
-def gumbel_noise(seed: Tensor, step: Tensor, token_ids: Tensor) -> Tensor:
-    return -torch.log(-torch.log(counter_uniform(seed, step, token_ids)))
+def gumbel_noise(seed: Tensor, step: Tensor, token_hash: Tensor) -> Tensor:
+    return -torch.log(-torch.log(counter_uniform(seed, step, token_hash)))
 
 
 def constrained_candidates(audio_positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,6 +65,21 @@ def constrained_candidates(audio_positions: Tensor) -> tuple[Tensor, Tensor]:
     return ids, allowed
 
 
+def constrained_logits(hidden: Tensor, output_weight: Tensor, audio_positions: Tensor) -> Tensor:
+    """Logits of the candidates of `constrained_candidates`, without the full vocabulary projection.
+
+    hidden [B, dim]; output_weight [vocab, dim]; audio_positions [B] -> fp32 [B, 4097].
+    One batched matmul against the 7 x 4096 audio rows (5.5x fewer than the vocabulary), each row
+    keeping the block of its own position, plus the end_of_speech row."""
+    B = hidden.shape[0]
+    audio = output_weight[P.AUDIO_TOKEN_BASE : P.AUDIO_VOCAB_END]  # [7 * 4096, dim], a contiguous view
+    blocks = (hidden @ audio.T).float().view(B, P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)  # [B, 7, 4096]
+    rows = torch.arange(B, device=hidden.device)
+    own = blocks[rows, audio_positions % P.TOKENS_PER_FRAME]  # [B, 4096]
+    end = (hidden @ output_weight[P.END_OF_SPEECH]).float()  # [B]
+    return torch.cat([own, end.unsqueeze(1)], dim=1)
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling parameters, all [B] tensors on the logits' device."""
@@ -76,35 +92,50 @@ class SamplingBatch:
     step: Tensor  # int64: tokens this session has generated so far (= its audio position)
 
 
-def sample_candidates(logits: Tensor, token_ids: Tensor, allowed: Tensor, seen: Tensor,
-                      params: SamplingBatch) -> Tensor:
+def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, allowed: Tensor, seen: Tensor,
+                      params: SamplingBatch, *, any_random: bool = True, any_filter: bool = True) -> Tensor:
     """Draw one token per row among candidates.
 
-    logits [B, C] fp32: the candidates' logits; token_ids [B, C] int64: their ids (the noise is
-    keyed on them); allowed [B, C] bool; seen [B, C] bool: the candidate occurred in the session
-    (prompt or generated), for the repetition penalty. Returns token ids [B] int64.
-    Order as in Hugging Face generate: repetition penalty, temperature, top-k, top-p.
+    logits [B, C] fp32: the candidates' logits; token_ids [B, C] int64: their ids, and token_hash
+    [B, C] = mix32(token_ids), on which the noise is keyed; allowed [B, C] bool; seen [B, C] bool:
+    the candidate occurred in the session (prompt or generated), for the repetition penalty.
+    Returns token ids [B] int64. Order as in Hugging Face generate: repetition penalty,
+    temperature, top-k, top-p.
+
+    any_random / any_filter: False when the caller knows that no row samples (all greedy) or that
+    no sampling row uses top-k or top-p; the work skipped then is a no-op for every row, so a
+    row's token does not depend on them (nor on anything else in the batch).
     """
     C = logits.shape[1]
     penalty = params.repetition_penalty.unsqueeze(1)  # [B, 1]
     x = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     x = x.masked_fill(~allowed, -torch.inf)
     greedy_ids = token_ids.gather(1, x.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    if not any_random:
+        return greedy_ids
 
     greedy = params.temperature <= 0
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     x = x / temperature.unsqueeze(1)
-    sorted_x, order = x.sort(dim=1, descending=True)  # [B, C]
-    rank = torch.arange(C, device=logits.device)
-    top_k = torch.where(params.top_k > 0, params.top_k, C).unsqueeze(1)  # [B, 1]
-    sorted_x = sorted_x.masked_fill(rank >= top_k, -torch.inf)
-    probs = sorted_x.softmax(dim=1)
-    mass_before = probs.cumsum(dim=1) - probs  # the most likely token always stays (mass 0 < top_p)
-    sorted_x = sorted_x.masked_fill(mass_before >= params.top_p.unsqueeze(1), -torch.inf)
-    sorted_ids = token_ids.gather(1, order)  # [B, C]
-    noisy = sorted_x + gumbel_noise(params.seed, params.step, sorted_ids)
-    sampled_ids = sorted_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    if any_filter:
+        x, order = x.sort(dim=1, descending=True)  # [B, C]
+        rank = torch.arange(C, device=logits.device)
+        top_k = torch.where(params.top_k > 0, params.top_k, C).unsqueeze(1)  # [B, 1]
+        x = x.masked_fill(rank >= top_k, -torch.inf)
+        probs = x.softmax(dim=1)
+        mass_before = probs.cumsum(dim=1) - probs  # the most likely token always stays (mass 0 < top_p)
+        top_p = params.top_p.unsqueeze(1)
+        x = x.masked_fill((mass_before >= top_p) & (top_p < 1), -torch.inf)  # top_p 1 is off, exactly
+        token_ids, token_hash = token_ids.gather(1, order), token_hash.gather(1, order)
+    noisy = x + gumbel_noise(params.seed, params.step, token_hash)
+    sampled_ids = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
     return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def needs_work(params: list[SamplingParams]) -> tuple[bool, bool]:
+    """(any_random, any_filter) of `sample_candidates` for rows with these parameters."""
+    random_rows = [p for p in params if not p.greedy]
+    return bool(random_rows), any(p.top_k > 0 or p.top_p < 1 for p in random_rows)
 
 
 class SlotSamplingState:
@@ -120,6 +151,7 @@ class SlotSamplingState:
         self.repetition_penalty = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.presence = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)  # [N, V]
+        self.token_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))  # [V]
 
     def reset(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = max(params.temperature, 0.0)
@@ -143,19 +175,27 @@ class SlotSamplingState:
             step=steps,
         )
 
-    def sample(self, logits: Tensor, slots: Tensor, steps: Tensor, *, constrained: bool) -> Tensor:
-        """logits [B, V] fp32 of the rows whose slots [B] and steps [B] are given; every row of the
-        batch constrained or none. Returns token ids [B]; records them as seen."""
-        params = self.batch(slots, steps)
-        if constrained:
-            token_ids, allowed = constrained_candidates(steps)  # [B, 4097]
-            cand_logits = logits.gather(1, token_ids)
-            seen = self.presence[slots.unsqueeze(1), token_ids]
-        else:
-            B, V = logits.shape
-            token_ids = torch.arange(V, device=logits.device).expand(B, V)
-            allowed = torch.ones_like(logits, dtype=torch.bool)
-            cand_logits, seen = logits, self.presence[slots]
-        tokens = sample_candidates(cand_logits, token_ids, allowed, seen, params)
+    def sample_constrained(self, logits: Tensor, slots: Tensor, steps: Tensor,
+                           params: list[SamplingParams] | None = None) -> Tensor:
+        """logits [B, 4097] from `constrained_logits` for rows at slots [B], steps [B] (= audio
+        positions); `params`, the rows' parameters on the host, lets it skip no-op work.
+        Returns token ids [B]; records them as seen."""
+        token_ids, allowed = constrained_candidates(steps)  # [B, 4097]
+        seen = self.presence[slots.unsqueeze(1), token_ids]
+        any_random, any_filter = needs_work(params) if params is not None else (True, True)
+        tokens = sample_candidates(logits, token_ids, self.token_hash[token_ids], allowed, seen,
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+        self.mark_seen(slots, tokens)
+        return tokens
+
+    def sample_full(self, logits: Tensor, slots: Tensor, steps: Tensor,
+                    params: list[SamplingParams] | None = None) -> Tensor:
+        """logits [B, vocab] for unconstrained rows. Returns token ids [B]; records them as seen."""
+        B, V = logits.shape
+        token_ids = torch.arange(V, device=logits.device).expand(B, V)
+        allowed = torch.ones_like(logits, dtype=torch.bool)
+        any_random, any_filter = needs_work(params) if params is not None else (True, True)
+        tokens = sample_candidates(logits, token_ids, self.token_hash.expand(B, V), allowed, self.presence[slots],
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
         self.mark_seen(slots, tokens)
         return tokens

@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from orpheus_serve import protocol as P
 from orpheus_serve.engines.base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
 from orpheus_serve.engines.memory import available_bytes, plan_memory
-from orpheus_serve.engines.sampling import SlotSamplingState
+from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
 
 if TYPE_CHECKING:
     from orpheus_serve.config import Config
@@ -72,7 +73,7 @@ def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
 
 
 class DecodeGraphs:
-    """`Transformer.decode` captured as CUDA graphs, one per (padded batch size, KV length bucket).
+    """`Transformer.decode` (to hidden states) captured as CUDA graphs, one per (padded batch size, KV length bucket).
 
     Inputs are copied into static buffers; rows past the real batch point at `scratch_slot`,
     position 0, so they never touch a session's cache. Graphs share one memory pool and are
@@ -100,8 +101,8 @@ class DecodeGraphs:
                         model.decode(*args)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        logits = model.decode(*args)  # [batch, vocab] fp32
-                    self.graphs[(batch, kv_len)] = (graph, logits)
+                        hidden = model.decode(*args)  # [batch, dim]
+                    self.graphs[(batch, kv_len)] = (graph, hidden)
         stream.synchronize()
 
     def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
@@ -116,9 +117,9 @@ class DecodeGraphs:
             self.tokens[n:batch].zero_()
             self.slots[n:batch].fill_(self.scratch_slot)
             self.positions[n:batch].zero_()
-        graph, logits = self.graphs[(batch, bucket)]
+        graph, hidden = self.graphs[(batch, bucket)]
         graph.replay()
-        return logits[:n]
+        return hidden[:n]
 
 
 class TorchEngine:
@@ -260,6 +261,9 @@ class TorchEngine:
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             self._fail(slot, f"prompt ids must be in 0..{self.config.vocab_size - 1}", out)
             return
+        if chunk.sampling.constrained and self.config.vocab_size < P.AUDIO_VOCAB_END:
+            self._fail(slot, f"constrained decoding needs the Orpheus vocabulary; this model has {self.config.vocab_size}", out)
+            return
         if chunk.start == 0:
             session = _Session(request_id=chunk.request_id, sampling=chunk.sampling)
             self._sessions[slot] = session
@@ -276,15 +280,22 @@ class TorchEngine:
         tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
         slot_index = torch.tensor([slot], device=self.device)
         self._sampling.mark_seen(slot_index, tokens)
-        logits = self.model.prefill(tokens, slot, chunk.start, logits="last" if chunk.is_last else "none")
+        hidden = self.model.prefill(tokens, slot, chunk.start)  # [T, dim]
         session.cached = chunk.end
-        if logits is None:
+        if not chunk.is_last:
             return
         step = torch.zeros(1, dtype=torch.int64, device=self.device)
-        first = self._sampling.sample(logits.unsqueeze(0), slot_index, step, constrained=chunk.sampling.constrained)
+        first = self._sample(hidden[-1:], slot_index, step, [chunk.sampling])
         self._last_token[slot] = first[0]
         session.generated, session.ready = 1, True
         out.tokens.setdefault(slot, []).append(int(first[0]))
+
+    def _sample(self, hidden: Tensor, slots: Tensor, steps: Tensor, params: list[SamplingParams]) -> Tensor:
+        """hidden [B, dim] of rows that are all constrained or all not -> new token ids [B]."""
+        if params[0].constrained:
+            logits = constrained_logits(hidden, self.model.output.weight, steps)  # [B, 4097]
+            return self._sampling.sample_constrained(logits, slots, steps, params)
+        return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params)
 
     def _decodable(self, slots: Sequence[int], out: StepOutput) -> list[int]:
         rows: list[int] = []
@@ -315,18 +326,20 @@ class TorchEngine:
         kv_len = int(host[1].max()) + 1
         tokens = self._last_token[slots]
         if self._graphs is not None:
-            logits = self._graphs.run(tokens, slots, positions, kv_len)
+            hidden = self._graphs.run(tokens, slots, positions, kv_len)
         else:
-            logits = self.model.decode(tokens, slots, positions, kv_len)  # [B, vocab]
+            hidden = self.model.decode(tokens, slots, positions, kv_len)  # [B, dim]
 
-        constrained = torch.tensor([s.sampling.constrained for s in sessions])  # type: ignore[union-attr]
-        if bool(constrained.all()) or not bool(constrained.any()):
-            new = self._sampling.sample(logits, slots, steps, constrained=bool(constrained[0]))
+        params = [s.sampling for s in sessions]  # type: ignore[union-attr]
+        constrained = [p.constrained for p in params]
+        if all(constrained) or not any(constrained):
+            new = self._sample(hidden, slots, steps, params)
         else:
             new = torch.empty_like(slots)
             for flag in (True, False):
-                idx = torch.nonzero(constrained == flag).squeeze(1).to(self.device)
-                new[idx] = self._sampling.sample(logits[idx], slots[idx], steps[idx], constrained=flag)
+                rows_of_kind = [i for i, c in enumerate(constrained) if c == flag]
+                idx = torch.tensor(rows_of_kind, device=self.device)
+                new[idx] = self._sample(hidden[idx], slots[idx], steps[idx], [params[i] for i in rows_of_kind])
         self._last_token[slots] = new
         for slot, session, token in zip(rows, sessions, new.tolist(), strict=True):
             assert session is not None
