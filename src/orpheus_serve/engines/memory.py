@@ -36,12 +36,12 @@ def weights_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     return config.num_parameters * dtype_bytes(dtype)
 
 
-def step_workspace_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> int:
+def step_workspace_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
     """Working memory of one decode step, generously: fp32 logits plus the sort, softmax and noise
-    buffers of unconstrained sampling (~8 vocab-wide fp32/int64 rows per batch row), and one
-    row's attention keys/values gathered per layer at full length."""
+    buffers of unconstrained sampling (~8 vocab-wide 8-byte rows per batch row), and the keys and
+    values a layer gathers for the batch at full length, twice over for attention's own buffers."""
     sampling = 8 * max_batch_size * config.vocab_size * 8
-    attention = 4 * max_batch_size * config.n_kv_heads * config.head_dim * max_seq_len * 4
+    attention = 2 * 2 * max_batch_size * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
     return sampling + attention
 
 
@@ -119,7 +119,7 @@ def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype:
         weights_bytes=weights_bytes(config, dtype),
         kv_bytes_per_slot=kv_bytes_per_slot(config, max_seq_len, dtype),
         presence_bytes_per_slot=config.vocab_size,
-        workspace_bytes=step_workspace_bytes(config, max_batch_size, max_seq_len),
+        workspace_bytes=step_workspace_bytes(config, max_batch_size, max_seq_len, dtype),
         num_slots=num_slots,
         max_seq_len=max_seq_len,
         budget_bytes=budget_bytes,

@@ -28,7 +28,6 @@ from orpheus_serve import protocol as P
 from orpheus_serve.engines.base import SamplingParams
 
 MASK32 = 0xFFFFFFFF
-GOLDEN32 = 0x9E3779B9
 CANDIDATES_PER_POSITION = P.CODEBOOK_SIZE + 1  # the slot's 4096 codes + end_of_speech
 
 
@@ -44,8 +43,7 @@ def counter_uniform(seed: Tensor, step: Tensor, token_hash: Tensor) -> Tensor:
     """Uniform noise in (0, 1), a pure function of (seed, step, token).
     seed, step [B] int64 (seed >= 0); token_hash [B, C] = mix32(token id) -> [B, C] fp32."""
     row = mix32((seed & MASK32) ^ mix32(((seed >> 32) & MASK32) ^ mix32(step & MASK32)))  # [B]
-    row2 = mix32((row + GOLDEN32) & MASK32)
-    x = mix32(mix32(row.unsqueeze(1) ^ token_hash) ^ row2.unsqueeze(1))  # [B, C]
+    x = mix32(row.unsqueeze(1) ^ token_hash)  # [B, C]: one hash round per candidate
     return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
 
 
@@ -143,6 +141,8 @@ class SlotSamplingState:
     mask of the ids it has seen (prompt + generated) for the repetition penalty."""
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        if vocab_size < P.AUDIO_VOCAB_END:
+            raise ValueError(f"vocabulary of {vocab_size} ids has no Orpheus audio tokens")
         self.vocab_size = vocab_size
         self.device = device
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
@@ -152,6 +152,11 @@ class SlotSamplingState:
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.presence = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)  # [N, V]
         self.token_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))  # [V]
+        # Views of the audio rows, [N, 7, 4096] and [7, 4096]: a constrained row's candidates are
+        # one contiguous block of each, copied whole instead of gathered id by id.
+        audio = slice(P.AUDIO_TOKEN_BASE, P.AUDIO_VOCAB_END)
+        self.audio_presence = self.presence[:, audio].view(num_slots, P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)
+        self.audio_hash = self.token_hash[audio].view(P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)
 
     def reset(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = max(params.temperature, 0.0)
@@ -181,9 +186,11 @@ class SlotSamplingState:
         positions); `params`, the rows' parameters on the host, lets it skip no-op work.
         Returns token ids [B]; records them as seen."""
         token_ids, allowed = constrained_candidates(steps)  # [B, 4097]
-        seen = self.presence[slots.unsqueeze(1), token_ids]
+        phase = steps % P.TOKENS_PER_FRAME
+        seen = torch.cat([self.audio_presence[slots, phase], self.presence[slots, P.END_OF_SPEECH].unsqueeze(1)], 1)
+        token_hash = torch.cat([self.audio_hash[phase], self.token_hash[P.END_OF_SPEECH].expand(len(steps), 1)], 1)
         any_random, any_filter = needs_work(params) if params is not None else (True, True)
-        tokens = sample_candidates(logits, token_ids, self.token_hash[token_ids], allowed, seen,
+        tokens = sample_candidates(logits, token_ids, token_hash, allowed, seen,
                                    self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
         self.mark_seen(slots, tokens)
         return tokens

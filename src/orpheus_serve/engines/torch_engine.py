@@ -141,6 +141,9 @@ class TorchEngine:
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.config = LlamaConfig.from_folder(folder)
+        if self.config.vocab_size < P.AUDIO_VOCAB_END:
+            raise EngineError(f"{folder}: vocabulary of {self.config.vocab_size} ids has no Orpheus audio tokens "
+                              f"(needs at least {P.AUDIO_VOCAB_END})")
 
         budget = available_bytes(self.device)
         plan = plan_memory(self.config, num_slots=num_slots, max_seq_len=max_seq_len, dtype=self.dtype,
@@ -260,9 +263,6 @@ class TorchEngine:
         ids = chunk.prompt_ids[chunk.start : chunk.end]
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             self._fail(slot, f"prompt ids must be in 0..{self.config.vocab_size - 1}", out)
-            return
-        if chunk.sampling.constrained and self.config.vocab_size < P.AUDIO_VOCAB_END:
-            self._fail(slot, f"constrained decoding needs the Orpheus vocabulary; this model has {self.config.vocab_size}", out)
             return
         if chunk.start == 0:
             session = _Session(request_id=chunk.request_id, sampling=chunk.sampling)
