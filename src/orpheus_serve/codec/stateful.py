@@ -104,6 +104,16 @@ class _EdgeSpec:
     samples_per_frame: int  # resolution of the stream
 
 
+def _prepend_history(hist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[hist, x] along time, and hist <- its last samples: the input window of a conv that needs hist.shape[-1]."""
+    keep = hist.shape[-1]
+    if keep == 0:
+        return x
+    window = torch.cat([hist, x], dim=-1)  # [B, C, keep + T]
+    hist.copy_(window[..., -keep:])
+    return window
+
+
 class _Op:
     """One decoder layer in streaming form: consumes the new input samples, returns the new output samples."""
 
@@ -117,19 +127,22 @@ class _Snake(_Op):
     inv_alpha: torch.Tensor  # [1, C, 1], the same (alpha + 1e-9)^-1 as snac.layers.snake
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
-        return x + self.inv_alpha * torch.sin(self.alpha * x).pow(2)
+        # x + (1/alpha)·sin²(alpha·x) in one buffer: these maps are the widest tensors of the step.
+        y = torch.mul(x, self.alpha)
+        y.sin_().square_()
+        return y.mul_(self.inv_alpha).add_(x)
 
 
 @dataclass(eq=False)
 class _Pointwise(_Op):
-    """1x1 conv: no window, no state."""
+    """1x1 conv: no window, no state. A matmul: small 1x1 convs would take a conv path that copies its input."""
 
-    weight: torch.Tensor  # [C_out, C_in / groups, 1]
-    bias: torch.Tensor | None
-    groups: int
+    weight: torch.Tensor  # [C_out, C_in]
+    bias: torch.Tensor | None  # [C_out, 1]
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
-        return F.conv1d(x, self.weight, self.bias, groups=self.groups)
+        y = torch.matmul(self.weight, x)  # [B, C_out, T]
+        return y if self.bias is None else y.add_(self.bias)
 
 
 @dataclass(eq=False)
@@ -159,40 +172,50 @@ class _Conv(_Op):
     bias: torch.Tensor | None
     dilation: int
     groups: int
-    history: int  # (k - 1) * dilation
-    state_index: int
+    state_index: int  # [B, C_in, (k - 1) * dilation]
     mask_index: int
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         x = ctx.zero_outside(self.mask_index, x)
-        hist = ctx.states[self.state_index]  # [B, C_in, history]
-        window = torch.cat([hist, x], dim=-1)  # [B, C_in, history + T]
-        hist.copy_(window[..., -self.history :])
+        window = _prepend_history(ctx.states[self.state_index], x)  # [B, C_in, history + T]
         return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)  # [B, C_out, T]
 
 
 @dataclass(eq=False)
 class _ConvTranspose(_Op):
-    """Transposed conv, stride s, kernel k: overlap-adds the k - s output samples the next input still reaches."""
+    """Transposed conv, stride s, kernel k = m·s, as a conv of kernel m followed by a channel-to-time shuffle.
 
-    weight: torch.Tensor  # [C_in, C_out / groups, k]
-    bias: torch.Tensor | None
+    Output block i (samples i·s .. i·s + s-1, before the one-shot's crop) is sum_q W[:, :, q·s : q·s + s]ᵀ x[i - q]
+    over q < m: a causal conv over the last m inputs with C_out·s output channels. So the state is the
+    last m - 1 inputs, like any conv, and no output sample is computed twice.
+    """
+
+    weight: torch.Tensor  # [C_out * s, C_in, m]
+    bias: torch.Tensor | None  # [C_out * s]
     stride: int
-    groups: int
-    overlap: int  # k - s
-    state_index: int
+    state_index: int  # [B, C_in, m - 1]
     mask_index: int
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         x = ctx.zero_outside(self.mask_index, x)
-        tail = ctx.states[self.state_index]  # [B, C_out, overlap]
-        # No bias here: a sample of the overlap is produced by two steps and must get it once.
-        y = F.conv_transpose1d(x, self.weight, None, stride=self.stride, groups=self.groups)  # [B, C_out, (T-1)s + k]
-        n_final = x.shape[-1] * self.stride
-        y[..., : self.overlap] += tail
-        tail.copy_(y[..., n_final:])
-        y = y[..., :n_final]  # [B, C_out, T*s]
-        return y if self.bias is None else y + self.bias[:, None]
+        batch, _, steps = x.shape
+        window = _prepend_history(ctx.states[self.state_index], x)  # [B, C_in, m - 1 + T]
+        y = F.conv1d(window, self.weight, self.bias)  # [B, C_out * s, T]
+        y = y.view(batch, -1, self.stride, steps).transpose(2, 3)  # [B, C_out, T, s]
+        return y.reshape(batch, -1, steps * self.stride)  # [B, C_out, T * s]
+
+
+def _as_causal_conv(conv: nn.ConvTranspose1d) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weights of the kernel-m conv equivalent to `conv` (see _ConvTranspose)."""
+    w = _folded_weight(conv)  # [C_in, C_out, k]
+    c_in, c_out, k = w.shape
+    s = conv.stride[0]
+    m = k // s
+    # taps[r] multiplies x[i - (m - 1 - r)]: the kernel slice q = m - 1 - r.
+    taps = torch.stack([w[:, :, (m - 1 - r) * s : (m - r) * s] for r in range(m)], dim=-1)  # [C_in, C_out, s, m]
+    weight = taps.permute(1, 2, 0, 3).reshape(c_out * s, c_in, m).contiguous()
+    bias = _bias(conv)
+    return weight, None if bias is None else bias.repeat_interleave(s).contiguous()
 
 
 @dataclass(eq=False)
@@ -208,11 +231,18 @@ class _Residual(_Op):
         for op in self.inner:
             y = op.step(y, ctx)
         if self.delay == 0:
-            return x + y
-        pending = ctx.states[self.state_index]
-        skip = torch.cat([pending, x], dim=-1)  # [B, C, delay + T]
-        pending.copy_(skip[..., -self.delay :])
-        return skip[..., : x.shape[-1]] + y
+            return y.add_(x)
+        pending = ctx.states[self.state_index]  # [B, C, delay]
+        steps = x.shape[-1]
+        if steps < self.delay:
+            skip = torch.cat([pending, x], dim=-1)  # [B, C, delay + T]
+            pending.copy_(skip[..., -self.delay :])
+            return y.add_(skip[..., :steps])
+        # The skip input is [pending, x] shifted by `delay`: add it in place, no concatenated copy.
+        y[..., : self.delay] += pending
+        y[..., self.delay :] += x[..., : steps - self.delay]
+        pending.copy_(x[..., steps - self.delay :])
+        return y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,25 +291,25 @@ class _Builder:
             delay = inner_delay
         elif isinstance(module, nn.ConvTranspose1d):
             (k,), (s,), (p,), (out_pad,) = module.kernel_size, module.stride, module.padding, module.output_padding
-            if module.dilation != (1,) or k < s or k - s - 2 * p + out_pad != 0:
-                raise ValueError(f"transposed conv {module} does not map T inputs to T*stride outputs")
+            if module.dilation != (1,) or module.groups != 1 or k % s or k - s - 2 * p + out_pad != 0:
+                raise ValueError(f"transposed conv {module} is not an ungrouped k = m*stride map of T to T*stride")
             mask = self.edge(delay, spf)
-            slot = self.state_slot(module.out_channels, k - s)
-            ops.append(_ConvTranspose(_folded_weight(module), _bias(module), s, module.groups, k - s, slot, mask))
+            slot = self.state_slot(module.in_channels, k // s - 1)
+            weight, bias = _as_causal_conv(module)
+            ops.append(_ConvTranspose(weight, bias, s, slot, mask))
             delay, spf, channels = delay * s + p, spf * s, module.out_channels
         elif isinstance(module, nn.Conv1d):
             (k,), (d,), (stride,) = module.kernel_size, module.dilation, module.stride
             pad = module.padding
             if stride != 1 or isinstance(pad, str) or 2 * pad[0] != (k - 1) * d or module.padding_mode != "zeros":
                 raise ValueError(f"conv {module} is not a stride-1, zero 'same'-padded conv")
-            if k == 1:
-                ops.append(_Pointwise(_folded_weight(module), _bias(module), module.groups))
+            if k == 1 and module.groups == 1:
+                bias = _bias(module)
+                ops.append(_Pointwise(_folded_weight(module)[:, :, 0], None if bias is None else bias[:, None]))
             else:
                 mask = self.edge(delay, spf)
                 slot = self.state_slot(module.in_channels, (k - 1) * d)
-                ops.append(
-                    _Conv(_folded_weight(module), _bias(module), d, module.groups, (k - 1) * d, slot, mask)
-                )
+                ops.append(_Conv(_folded_weight(module), _bias(module), d, module.groups, slot, mask))
                 delay += pad[0]
             channels = module.out_channels
         elif isinstance(module, LocalMHA):
@@ -341,7 +371,9 @@ class StatefulDecoder:
         if not step_frames or 1 not in step_frames or min(step_frames) < 1:
             raise ValueError("step_frames must contain 1 and only positive sizes")
         if tuple(model.vq_strides) != _ORPHEUS_VQ_STRIDES:
-            raise ValueError(f"Orpheus frames need vq_strides {list(_ORPHEUS_VQ_STRIDES)}, model has {model.vq_strides}")
+            raise ValueError(
+                f"Orpheus frames need vq_strides {list(_ORPHEUS_VQ_STRIDES)}, model has {model.vq_strides}"
+            )
         param = next(model.decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_batch = max_batch
@@ -428,8 +460,10 @@ class StatefulDecoder:
         if frames.size == 0:
             return np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
         if frames.ndim != 2 or frames.shape[1] != TOKENS_PER_FRAME or not np.issubdtype(frames.dtype, np.integer):
-            raise ValueError(f"push for {push.key!r}: frames must be [n, {TOKENS_PER_FRAME}] integers, got "
-                             f"{frames.dtype} {frames.shape}")
+            raise ValueError(
+                f"push for {push.key!r}: frames must be [n, {TOKENS_PER_FRAME}] integers, got "
+                f"{frames.dtype} {frames.shape}"
+            )
         if frames.min() < 0 or frames.max() >= self.codebook_size:
             raise ValueError(f"push for {push.key!r}: codes must lie in 0..{self.codebook_size - 1}")
         return frames.astype(np.int64, copy=False)
