@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from orpheus_serve.engines.base import EngineError
 from orpheus_serve.engines.llama import LlamaConfig, RopeConfig, load_transformer, rope_inv_freq
-from scripts.make_tiny_models import llama_config, llama_weights
+from orpheus_serve.tiny_models import llama_config, llama_weights
 
 TOLERANCE = 1e-4
 

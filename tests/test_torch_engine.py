@@ -26,7 +26,7 @@ from orpheus_serve.engines.base import (
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.engines.memory import kv_bytes_per_slot, plan_memory
 from orpheus_serve.engines.torch_engine import TorchEngine
-from scripts.make_tiny_models import llama_config, llama_weights
+from orpheus_serve.tiny_models import llama_config, llama_weights
 
 GREEDY = SamplingParams(temperature=0.0)
 

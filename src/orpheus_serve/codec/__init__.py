@@ -65,5 +65,10 @@ def build_decoder(codec_cfg: CodecConfig, model: SNAC) -> StreamingDecoder:
     if codec_cfg.decoder == "stateful":
         from .stateful import StatefulDecoder
 
-        return StatefulDecoder(model, max_batch=codec_cfg.max_batch)
-    raise ValueError(f"unknown codec decoder {codec_cfg.decoder!r} (windowed | stateful)")
+        return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise)
+    if codec_cfg.decoder == "reference":
+        from .reference import ReferenceWindowDecoder
+
+        return ReferenceWindowDecoder(model, max_batch=codec_cfg.max_batch)
+    raise ValueError(f"codec decoder {codec_cfg.decoder!r} needs no SNAC model or is unknown "
+                     "(windowed | stateful | reference)")

@@ -74,6 +74,8 @@ from torch import nn
 from orpheus_serve.codec.base import CodecPush, CodecResult
 from orpheus_serve.protocol import TOKENS_PER_FRAME, frames_to_snac_codes
 
+from .loader import SeededNoiseBlock
+
 # Codebook strides the 7-token Orpheus frame layout is defined for: per frame, 1 + 2 + 4 codes.
 _ORPHEUS_VQ_STRIDES = (4, 2, 1)
 
@@ -279,8 +281,10 @@ class _Builder:
             ops.append(_Snake(alpha, (alpha + 1e-9).reciprocal()))
         elif isinstance(module, nn.Tanh):
             ops.append(_Tanh())
-        elif isinstance(module, NoiseBlock):
+        elif isinstance(module, NoiseBlock | SeededNoiseBlock):
             ops.append(_Noise(_folded_weight(module.linear)))
+        elif isinstance(module, nn.Identity):
+            pass  # a NoiseBlock the loader switched off
         elif isinstance(module, ResidualUnit):
             inner, inner_delay, inner_spf, inner_channels = self.build(module.block, delay, spf, channels)
             if inner_spf != spf or inner_channels != channels:
