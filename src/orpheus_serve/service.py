@@ -510,6 +510,7 @@ class TTSService:
                 "active": self._active_requests,
                 **{k: v for k, v in self.counters.items() if k.startswith("requests_")},
             },
+            "process": {"cpu_s": round(time.process_time(), 3)},  # all threads; for CPU cost per audio second
             "throughput": {
                 "uptime_s": round(uptime, 3),
                 "audio_seconds_total": round(self.counters["audio_seconds_total"], 3),

@@ -40,6 +40,9 @@ class CodecResult:
     key: Hashable
     pcm: np.ndarray  # [samples] float32 in [-1, 1] (not clipped by the decoder), 24 kHz mono
     final: bool
+    # Set (with empty pcm and final=True) when decoding this session's batch failed; the
+    # session's decoder state is gone and its stream ends here.
+    error: str | None = None
 
 
 @runtime_checkable

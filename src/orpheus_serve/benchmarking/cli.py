@@ -1,0 +1,208 @@
+"""`python benchmark.py`: measure a server the way every run measures it (DESIGN §8).
+
+    python benchmark.py --mode all --compare baseline --output results/results.json
+    python benchmark.py --mode scaling --concurrent 32 --protocol mixed --url http://host:8000 --grpc-addr host:50051
+
+Without --url the benchmark starts its own servers (production_server.py subprocesses on
+loopback) with the config plus --set overrides; with --url it measures that server
+(modes that need servers with other settings are then skipped). Results go to the
+JSON file, plots next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .launch import LaunchedServer
+from .runner import (
+    LoadSpec,
+    Target,
+    analytic_realtime_bound,
+    best_realtime_level,
+    environment,
+    frames_for_seconds,
+    h100_fp8_cost,
+    measure,
+    scaling_levels,
+    sim_overrides,
+    write_results,
+)
+
+MODES = ("single", "scaling", "tuning", "sim", "all")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=MODES, default="all")
+    ap.add_argument("--requests", type=int, default=None, help="requests per load level (default: 2 x concurrency, >= 4)")
+    ap.add_argument("--concurrent", type=int, default=16, help="highest concurrency (scaling, tuning, compare)")
+    ap.add_argument("--protocol", choices=("rest", "ws", "grpc", "mixed"), default="rest")
+    ap.add_argument("--output", type=Path, default=Path("results/results.json"))
+    ap.add_argument("--url", default=None, help="measure this running server instead of starting one")
+    ap.add_argument("--grpc-addr", default=None, help="its gRPC address (default: host of --url, port 50051)")
+    ap.add_argument("--config", default=None, help="config file for servers started here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for servers started here (repeatable)")
+    ap.add_argument("--compare", choices=("baseline",), default=None,
+                    help="also run the same load against an engine.mode=baseline server and print the ratio")
+    ap.add_argument("--max-tokens", type=int, default=140,
+                    help="cap per request (keeps CPU runs short; 0 = the server's text-length rule)")
+    ap.add_argument("--ttfb-target-ms", type=float, default=None, help="default: the profile's target_ttfb_ms")
+    ap.add_argument("--sim-streams", type=int, default=128, help="concurrent streams for the sim run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out_dir = args.output.parent
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._launches = 0
+
+    def spec(self, concurrency: int, **kw: Any) -> LoadSpec:
+        requests = self.args.requests or max(4, 2 * concurrency)
+        return LoadSpec(requests=requests, concurrency=concurrency, protocol=kw.pop("protocol", self.args.protocol),
+                        seed=self.args.seed, max_tokens=self.args.max_tokens or None, **kw)
+
+    @contextlib.contextmanager
+    def server(self, label: str, extra: list[str] | None = None) -> Iterator[Target]:
+        if self.args.url:
+            grpc = self.args.grpc_addr or f"{self.args.url.split('://')[-1].split(':')[0]}:50051"
+            yield Target(self.args.url, grpc, label)
+            return
+        self._launches += 1
+        log = self.out_dir / f"server_{self._launches:02d}_{label}.log"
+        with LaunchedServer([*self.args.set, *(extra or [])], config=self.args.config, log_path=log) as srv:
+            yield Target(srv.url, srv.grpc_addr, label)
+
+    def run_level(self, target: Target, spec: LoadSpec, title: str) -> dict[str, Any]:
+        bar = None
+        if not self.args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=spec.requests, desc=f"{title} c={spec.concurrency}", unit="req", leave=False)
+        try:
+            row = measure(target, spec, progress=bar.update if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        print_row(title, row)
+        return row
+
+    # ------------------------------------------------------------------ modes
+
+    def single(self, target: Target) -> dict[str, Any]:
+        return {"rows": [self.run_level(target, self.spec(1), "single")]}
+
+    def scaling(self, target: Target, ttfb_target: float) -> dict[str, Any]:
+        rows = [self.run_level(target, self.spec(c), "scaling") for c in scaling_levels(self.args.concurrent)]
+        return {"rows": rows, "max_realtime_concurrency": best_realtime_level(rows, ttfb_target)}
+
+    def tuning(self) -> dict[str, Any]:
+        grid = [
+            ("batch4-stateful", ["scheduler.max_batch_size=4"]),
+            ("batch16-stateful", ["scheduler.max_batch_size=16"]),
+            ("batch16-windowed-L2R2", ["scheduler.max_batch_size=16", "codec.decoder=windowed",
+                                        "codec.left_context_frames=2", "codec.lookahead_frames=2"]),
+            ("batch16-windowed-L1R1", ["scheduler.max_batch_size=16", "codec.decoder=windowed",
+                                        "codec.left_context_frames=1", "codec.lookahead_frames=1"]),
+        ]
+        rows = []
+        for name, overrides in grid:
+            with self.server(name, overrides) as target:
+                row = self.run_level(target, self.spec(self.args.concurrent), f"tuning {name}")
+            rows.append({"setting": name, "overrides": overrides, **row})
+        return {"rows": rows}
+
+    def compare(self, batched_row: dict[str, Any] | None) -> dict[str, Any]:
+        spec = self.spec(self.args.concurrent)
+        if batched_row is None:
+            with self.server("batched") as target:
+                batched_row = self.run_level(target, spec, "batched")
+        with self.server("baseline", ["engine.mode=baseline"]) as target:
+            baseline_row = self.run_level(target, spec, "baseline")
+        ratio = None
+        if baseline_row["audio_seconds_per_second"]:
+            ratio = round(batched_row["audio_seconds_per_second"] / baseline_row["audio_seconds_per_second"], 3)
+        print(f"\naudio seconds per wall second at {spec.concurrency} concurrent: batched "
+              f"{batched_row['audio_seconds_per_second']} vs baseline {baseline_row['audio_seconds_per_second']}"
+              f" -> {ratio}x")
+        return {"concurrency": spec.concurrency, "batched": batched_row, "baseline": baseline_row,
+                "audio_seconds_per_second_ratio": ratio}
+
+    def sim(self) -> dict[str, Any]:
+        """The sim engine and sim codec with an H100 FP8 cost model, behind the real gateway."""
+        cost = h100_fp8_cost()
+        streams = self.args.sim_streams
+        seconds = 4.0
+        frames = frames_for_seconds(seconds)
+        bound = analytic_realtime_bound(cost, prompt_tokens=40, utterance_tokens=frames * 7, max_batch=4 * streams)
+        levels = sorted({max(1, streams // 4), max(1, streams // 2), streams, int(bound * 0.9), bound})
+        rows = []
+        with self.server("sim", sim_overrides(cost, slots=max(streams, bound), frames=frames)) as target:
+            for c in levels:
+                spec = LoadSpec(requests=2 * c, concurrency=c, protocol=self.args.protocol, seed=self.args.seed,
+                                max_tokens=frames * 7 + 7)
+                rows.append(self.run_level(target, spec, "sim"))
+        held = best_realtime_level(rows, 150.0)
+        print(f"\nsim: analytic bound {bound} real-time streams; held {held} "
+              f"({(held or 0) / bound:.0%} of the bound) with p95 TTFB < 150 ms and no underrun")
+        return {"cost_model": cost.model_dump(), "utterance_seconds": frames * 0.08533,
+                "analytic_bound": bound, "held_realtime_streams": held,
+                "fraction_of_bound": round((held or 0) / bound, 3) if bound else None, "rows": rows}
+
+
+def print_row(title: str, row: dict[str, Any]) -> None:
+    print(f"{title:>28} c={row['concurrency']:<4} ok={row['succeeded']}/{row['requests']} "
+          f"ttfb p50/p95={row['ttfb_p50_ms']}/{row['ttfb_p95_ms']} ms  rtf={row['rtf_mean']}  "
+          f"underrun streams={row['underrun_streams']}  realtime={row['realtime_streams']}  "
+          f"audio s/s={row['audio_seconds_per_second']}  cpu s/audio s={row['server_cpu_s_per_audio_s']}",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..config import load_config
+
+    config = load_config(args.config, overrides=args.set)
+    ttfb_target = args.ttfb_target_ms or config.active_profile.target_ttfb_ms
+    bench = Bench(args)
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args) | {"output": str(args.output)},
+                               "environment": environment(), "ttfb_target_ms": ttfb_target}
+    modes = {"single", "scaling", "tuning", "sim"} if args.mode == "all" else {args.mode}
+    t0 = time.perf_counter()
+    batched_top = None
+    if modes & {"single", "scaling"} or args.compare:
+        with bench.server("batched") as target:
+            if "single" in modes:
+                results["single"] = bench.single(target)
+            if "scaling" in modes:
+                results["scaling"] = bench.scaling(target, ttfb_target)
+            if "scaling" in modes:
+                batched_top = results["scaling"]["rows"][-1]
+            elif args.compare:
+                batched_top = bench.run_level(target, bench.spec(args.concurrent), "batched")
+            results["server_stats"] = target.stats()
+    if "tuning" in modes and not args.url:
+        results["tuning"] = bench.tuning()
+    if "sim" in modes and not args.url:
+        results["sim"] = bench.sim()
+    if args.compare and not args.url:
+        results["compare"] = bench.compare(batched_top)
+    results["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    plots = write_results(args.output, results)
+    print(f"\nwrote {args.output}" + "".join(f"\nwrote {p}" for p in plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

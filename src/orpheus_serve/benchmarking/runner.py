@@ -1,0 +1,191 @@
+"""Benchmark modes, run from the client side against real servers (DESIGN §8).
+
+    single    one request at a time: TTFB and RTF with nothing else running
+    scaling   concurrency 1 -> N (closed loop); the largest concurrency whose p95
+              TTFB is under the target with no underrun
+    tuning    the same load against servers started with other settings
+              (max_batch_size, decoder / window settings)
+    sim       the sim engine + sim codec with an H100 cost model behind the real
+              gateway at 128+ concurrent streams: what the gateway, scheduler and
+              codec plumbing cost, and real-time streams against the analytic bound
+    compare   (--compare baseline) the same load against `engine.mode: batched`
+              and `engine.mode: baseline` servers started one after the other
+
+Every server is a subprocess started here (or an existing one given by --url).
+Numbers from one run are comparable with each other; absolute times on a CPU
+say little about a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ..config import SimConfig
+from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
+from .streams import summarize
+from .workload import make_workload
+
+PROTOCOLS = ("rest", "ws", "grpc")
+
+
+@dataclass
+class Target:
+    """Where requests go: a launched server or an existing one."""
+
+    url: str
+    grpc_addr: str
+    label: str = "server"
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/v1/stats", timeout=10.0).json()
+
+
+@dataclass
+class LoadSpec:
+    requests: int
+    concurrency: int
+    protocol: str = "rest"  # rest | ws | grpc | mixed
+    seed: int = 0
+    max_tokens: int | None = None
+    voice_mix: tuple[str, ...] = ("tara", "leah", "leo", "zoe")
+    text_mix: tuple[float, float, float] = (0.6, 0.3, 0.1)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None
+                   ) -> tuple[list[Any], float]:
+    """Closed loop: `spec.requests` requests, at most `spec.concurrency` in flight. Returns (results, wall_s)."""
+    from ..api.client import synthesize
+
+    workload = make_workload(spec.requests, seed=spec.seed, mix=spec.text_mix, voices=spec.voice_mix)
+    protocols = itertools.cycle(PROTOCOLS) if spec.protocol == "mixed" else itertools.repeat(spec.protocol)
+    jobs = list(zip(workload.texts, workload.voices, protocols, strict=False))
+    sampling = {"max_tokens": spec.max_tokens, **spec.extra}
+    semaphore = asyncio.Semaphore(spec.concurrency)
+    limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
+
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
+
+        async def one(text: str, voice: str, protocol: str) -> Any:
+            async with semaphore:
+                kwargs: dict[str, Any] = {"voice": voice, "fmt": "pcm", **sampling}
+                if protocol == "rest":
+                    kwargs["client"] = http
+                result = await synthesize(protocol, text, url=target.url, grpc_addr=target.grpc_addr, **kwargs)
+            if progress is not None:
+                progress(1)
+            return result
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(*job) for job in jobs))
+        wall = time.perf_counter() - t0
+    return list(results), wall
+
+
+def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """One load level: client-side summary plus what the server says it spent."""
+    before = target.stats()
+    results, wall = asyncio.run(run_load(target, spec, progress=progress))
+    after = target.stats()
+    row: dict[str, Any] = {"concurrency": spec.concurrency, "protocol": spec.protocol, **summarize(results, wall)}
+    cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"]
+    tokens = after["total_tokens"] - before["total_tokens"]
+    row["server_cpu_s"] = round(cpu, 3)
+    row["server_cpu_s_per_audio_s"] = round(cpu / row["audio_seconds"], 4) if row["audio_seconds"] else None
+    row["tokens_per_s"] = round(tokens / wall, 2) if wall > 0 else None
+    return row
+
+
+# ------------------------------------------------------------------- modes
+
+
+def scaling_levels(max_concurrency: int) -> list[int]:
+    levels = [1]
+    while levels[-1] * 2 <= max_concurrency:
+        levels.append(levels[-1] * 2)
+    if levels[-1] != max_concurrency:
+        levels.append(max_concurrency)
+    return levels
+
+
+def best_realtime_level(rows: Sequence[dict[str, Any]], ttfb_target_ms: float) -> int | None:
+    """Largest concurrency whose p95 TTFB is under the target, with no underrun and no failure."""
+    good = [
+        r["concurrency"] for r in rows
+        if r["succeeded"] == r["requests"] and r["underrun_streams"] == 0
+        and r["ttfb_p95_ms"] is not None and r["ttfb_p95_ms"] < ttfb_target_ms
+    ]
+    return max(good) if good else None
+
+
+def analytic_realtime_bound(cost: SimConfig, *, prompt_tokens: int, utterance_tokens: int, max_batch: int) -> int:
+    """Most streams the cost model keeps at real-time speed (82 tokens/s each) when every stream
+    decodes every step: the largest N with step_ms(N) <= 1000 / 82. Mean context per stream is the
+    prompt plus half an utterance. Prefill is ignored (it is a small share in steady state)."""
+    budget_ms = 1000.0 / TOKENS_PER_SECOND_REALTIME
+    ctx = prompt_tokens + utterance_tokens / 2
+    best = 0
+    for n in range(1, max_batch + 1):
+        step = cost.step_base_ms + cost.step_per_seq_ms * n + cost.step_per_ctx_token_ms * ctx * n
+        if step <= budget_ms:
+            best = n
+    return best
+
+
+def h100_fp8_cost() -> SimConfig:
+    """Decode-step cost of Orpheus 3B as an FP8 TensorRT-LLM engine on one H100 SXM (modelled, not
+    measured): the FP8 weights (3.2 GB of transformer + 16-bit embeddings) stream in ~1.5 ms at
+    ~2.8 TB/s; CUDA-graph launch, sampling over the 157k vocabulary and the runtime's bookkeeping add
+    ~2.5 ms; each sequence adds ~0.03 ms (logits, sampling, per-request work) and each context token
+    40 ns of KV reads (112 KiB at ~2.8 TB/s)."""
+    return SimConfig(step_base_ms=4.0, step_per_seq_ms=0.03, step_per_ctx_token_ms=0.00004,
+                     prefill_per_token_ms=0.01, end_after_frames=None, realtime=True)
+
+
+def sim_overrides(cost: SimConfig, *, slots: int, frames: int) -> list[str]:
+    return [
+        "engine.backend=sim", "codec.decoder=sim",
+        f"engine.sim.step_base_ms={cost.step_base_ms}", f"engine.sim.step_per_seq_ms={cost.step_per_seq_ms}",
+        f"engine.sim.step_per_ctx_token_ms={cost.step_per_ctx_token_ms}",
+        f"engine.sim.prefill_per_token_ms={cost.prefill_per_token_ms}",
+        f"engine.sim.end_after_frames={frames}", "engine.sim.realtime=true",
+        f"scheduler.max_concurrent_sessions={slots}", f"scheduler.max_batch_size={slots}",
+        f"scheduler.max_queue={4 * slots}", "server.max_connections=2048",
+    ]
+
+
+def environment() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_results(path: Path, results: dict[str, Any]) -> list[Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    from .plots import plot_results
+
+    return plot_results(results, path.with_suffix(""))
+
+
+def frames_for_seconds(seconds: float) -> int:
+    return max(1, math.ceil(seconds / FRAME_SECONDS))

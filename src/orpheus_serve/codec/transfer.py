@@ -1,0 +1,71 @@
+"""Host <-> device copies for the codec, pinned and asynchronous on CUDA.
+
+A decode call moves a few KB of codes in and a few hundred KB of audio out.
+On CUDA both copies go through page-locked staging buffers that are reused
+from call to call (grown by doubling, never freed on the hot path) and are
+issued with `non_blocking=True` on the *current* stream, which inside the
+codec worker is the worker's own stream. The only wait is on an event
+recorded after the device-to-host copy: it blocks this thread until this
+stream's work is done, never the device, so the LLM's stream keeps running.
+
+On CPU the same calls are plain conversions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class HostTransfer:
+    """Staging buffers for one thread's copies to and from `device`. Not thread-safe."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._codes_in: torch.Tensor | None = None  # pinned int64, flat
+        self._audio_out: torch.Tensor | None = None  # pinned float32, flat
+        self._copied_in = torch.cuda.Event() if self._cuda else None
+        self._copied_out = torch.cuda.Event() if self._cuda else None
+
+    @staticmethod
+    def _pinned(buffer: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Tensor:
+        if buffer is not None and buffer.numel() >= size:
+            return buffer
+        capacity = max(size, 2 * (buffer.numel() if buffer is not None else 0), 4096)
+        return torch.empty(capacity, dtype=dtype, pin_memory=True)
+
+    def codes_to_device(self, codes: np.ndarray) -> torch.Tensor:
+        """int64 array (any shape) -> the same on the device."""
+        host = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int64))
+        if not self._cuda:
+            return host.to(self.device)
+        assert self._copied_in is not None
+        # The previous copy out of the staging buffer must have finished before it is overwritten
+        # (normally long done: the previous call waited for its audio, which the stream computes later).
+        self._copied_in.synchronize()
+        self._codes_in = self._pinned(self._codes_in, host.numel(), torch.int64)
+        staged = self._codes_in[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        on_device = staged.to(self.device, non_blocking=True)
+        self._copied_in.record()
+        return on_device
+
+    def audio_to_host(self, pieces: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        """1-D device tensors -> float32 numpy arrays (owned by the caller), one copy in all."""
+        if not pieces:
+            return []
+        sizes = [int(p.numel()) for p in pieces]
+        if not self._cuda:
+            return [p.detach().to(torch.float32).numpy().copy() for p in pieces]
+        flat = torch.cat([p.reshape(-1) for p in pieces]).to(torch.float32)  # [sum(sizes)]
+        self._audio_out = self._pinned(self._audio_out, flat.numel(), torch.float32)
+        staged = self._audio_out[: flat.numel()]
+        staged.copy_(flat, non_blocking=True)
+        assert self._copied_out is not None
+        self._copied_out.record()
+        self._copied_out.synchronize()
+        host = staged.numpy().copy()  # the staging buffer is reused by the next call
+        return np.split(host, np.cumsum(sizes)[:-1])

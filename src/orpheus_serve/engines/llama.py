@@ -1,0 +1,392 @@
+"""Llama-3 in plain torch, with a static slot-indexed KV cache.
+
+The architecture is the one Orpheus uses (Llama-3.2-3B): RMSNorm, rotary
+position embeddings with the Llama-3 frequency scaling, grouped-query
+attention, a SwiGLU MLP and, optionally, an output projection tied to the
+token embedding. Weights come from a local Hugging Face folder
+(`config.json` + `model.safetensors` or a sharded
+`model.safetensors.index.json`); q/k/v and gate/up are fused at load time.
+
+KV cache: one `[num_slots, kv_heads, max_seq_len, head_dim]` tensor pair per
+layer, allocated once. A slot is one session's row. `Transformer.forward`
+takes B rows of T tokens, each row with its own slot and positions, so the
+same code serves
+
+- prefill: B = 1, T = chunk length, positions start..end-1 of one slot;
+- decode:  B = live sessions, T = 1, every row at its own position.
+
+New keys/values are scattered into the cache at (slot, position); attention
+then reads each row's slot up to `kv_len` (the longest live context, not
+`max_seq_len`) and masks, per row, every cache position after that row's
+own query position. Stale entries left by a slot's previous occupant are
+thereby never seen, so a slot needs no clearing between sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from orpheus_serve.engines.base import EngineError
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise EngineError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        """Both spellings of a Hugging Face config: `rope_theta` + `rope_scaling` (the released
+        Orpheus checkpoint) and the newer `rope_parameters` dict that holds the theta too."""
+        params = dict(hf.get("rope_parameters") or {})
+        scaling = dict(hf.get("rope_scaling") or {})
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise EngineError(f"config.json: rope_type {rope_type!r} is not supported (default, llama3)")
+        if rope_type == "default":
+            return cls(theta=float(theta))
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged["low_freq_factor"]),
+            high_freq_factor=float(merged["high_freq_factor"]),
+            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        d, f, v = self.dim, self.intermediate_size, self.vocab_size
+        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+        out = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.n_layers * per_layer + d + out
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        arch = hf.get("model_type", "llama")
+        if arch != "llama":
+            raise EngineError(f"config.json: model_type {arch!r} is not a Llama checkpoint")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise EngineError(f"config.json: hidden_act {act!r} is not supported (silu)")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise EngineError("config.json: attention_bias / mlp_bias are not supported (Llama-3 has none)")
+        n_heads = int(hf["num_attention_heads"])
+        n_kv = int(hf.get("num_key_value_heads") or n_heads)
+        if n_heads % n_kv:
+            raise EngineError(f"config.json: {n_heads} attention heads is not a multiple of {n_kv} kv heads")
+        dim = int(hf["hidden_size"])
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            dim=dim,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=int(hf.get("head_dim") or dim // n_heads),
+            intermediate_size=int(hf["intermediate_size"]),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope=RopeConfig.from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> LlamaConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise EngineError(f"{config_path}: no such file (expected a Hugging Face Llama folder)")
+        return cls.from_hf(json.loads(config_path.read_text()))
+
+
+# ----------------------------------------------------------------------------- rope
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:
+    """Inverse frequencies [head_dim // 2], fp32, with Llama-3's long-context scaling: wavelengths
+    beyond the original context are stretched by `factor`, short ones kept, the band between blended."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "default":
+        return inv_freq
+    low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(rope: RopeConfig, head_dim: int, max_seq_len: int) -> tuple[Tensor, Tensor]:
+    """cos, sin tables [max_seq_len, head_dim // 2], fp32."""
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(rope, head_dim))
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos, sin [B, T, D/2]. Hugging Face layout: the two halves of a head rotate
+    together (their checkpoints permute q/k for this), computed in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, T, H, D/2] each
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D/2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).type_as(x)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+class KVCache(nn.Module):
+    def __init__(self, num_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        shape = (num_slots, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, T, Hkv, D] at (slots [B], positions [B, T]); return each row's slot
+        up to kv_len as [B, Hkv, kv_len, D]."""
+        rows = slots.unsqueeze(1)  # [B, 1], broadcast against positions [B, T]
+        self.k_cache[rows, :, positions] = k
+        self.v_cache[rows, :, positions] = v
+        keys = self.k_cache[:, :, :kv_len].index_select(0, slots)
+        values = self.v_cache[:, :, :kv_len].index_select(0, slots)
+        return keys, values
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
+        self.wo = nn.Linear(config.q_size, config.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, positions: Tensor,
+                kv_len: int) -> Tensor:
+        cfg = self.config
+        B, T, _ = x.shape
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        G = H // Hkv
+        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rotary_emb(q.view(B, T, H, D), cos, sin)  # [B, T, H, D]
+        k = apply_rotary_emb(k.view(B, T, Hkv, D), cos, sin)  # [B, T, Hkv, D]
+        v = v.view(B, T, Hkv, D)
+        assert self.kv_cache is not None, "setup_caches() first"
+        keys, values = self.kv_cache.update(slots, positions, k, v, kv_len)  # [B, Hkv, S, D]
+
+        # Grouped-query attention without repeating k/v: the G query heads that share a kv head
+        # become G*T query rows against that head. Head h = kv * G + g (Hugging Face's grouping).
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+        y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate | up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, positions: Tensor,
+                kv_len: int) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, slots, positions, kv_len)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.num_slots = 0
+        self.max_seq_len = 0
+
+    def setup_caches(self, num_slots: int, max_seq_len: int) -> None:
+        """Allocate the KV cache (once) and the rope tables for max_seq_len positions."""
+        cfg = self.config
+        dtype, device = self.output.weight.dtype, self.output.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(num_slots, cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype, device)
+        cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_seq_len)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)  # [S, D/2] fp32
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        self.register_buffer("cache_positions", torch.arange(max_seq_len, device=device), persistent=False)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """tokens, positions [B, T]; slots [B]; every position < kv_len <= max_seq_len.
+        Returns the final-norm hidden states [B, T, dim]: the caller projects only the rows and
+        vocabulary entries it needs (`logits`, or sampling.constrained_logits)."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
+        G = self.config.n_heads // self.config.n_kv_heads
+        B, T = tokens.shape
+        visible = self.cache_positions[:kv_len] <= positions.unsqueeze(-1)  # [B, T, S]
+        mask = visible.unsqueeze(1).expand(B, G, T, kv_len).reshape(B, 1, G * T, kv_len)  # query rows g*T + t
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, slots, positions, kv_len)
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., dim] -> fp32 logits [..., vocab] (the full output projection)."""
+        return self.output(hidden).float()
+
+    def prefill(self, tokens: Tensor, slot: int, start: int) -> Tensor:
+        """Prompt tokens [T] of one slot at positions start..start+T-1 -> hidden states [T, dim]."""
+        T = tokens.shape[0]
+        positions = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)  # [1, T]
+        slots = torch.tensor([slot], device=tokens.device)
+        return self.forward(tokens.unsqueeze(0), slots, positions, start + T)[0]
+
+    def decode(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """One token per row: tokens, slots, positions [B] -> hidden states [B, dim]."""
+        return self.forward(tokens.unsqueeze(1), slots, positions.unsqueeze(1), kv_len)[:, 0]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise EngineError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _iter_checkpoint(folder: Path) -> Iterator[tuple[str, Tensor]]:
+    from safetensors import safe_open
+
+    for path in _checkpoint_files(folder):
+        if not path.is_file():
+            raise EngineError(f"{path}: shard listed in the index is missing")
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_transformer(path: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
+    """Build the model from a Hugging Face Llama folder, weights in `dtype` on `device`."""
+    folder = Path(path)
+    config = LlamaConfig.from_folder(folder)
+    hf: dict[str, Tensor] = {}
+    for name, tensor in _iter_checkpoint(folder):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config
+        hf[name] = tensor
+
+    def take(name: str) -> Tensor:
+        if name not in hf:
+            raise EngineError(f"{folder}: checkpoint has no tensor {name!r}")
+        return hf.pop(name)
+
+    state: dict[str, Tensor] = {"tok_embeddings.weight": take("model.embed_tokens.weight"),
+                                "norm.weight": take("model.norm.weight")}
+    for i in range(config.n_layers):
+        pre, out = f"model.layers.{i}.", f"layers.{i}."
+        state[out + "attention.wqkv.weight"] = torch.cat(
+            [take(pre + f"self_attn.{p}_proj.weight") for p in "qkv"], dim=0)
+        state[out + "attention.wo.weight"] = take(pre + "self_attn.o_proj.weight")
+        state[out + "feed_forward.w13.weight"] = torch.cat(
+            [take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")], dim=0)
+        state[out + "feed_forward.w2.weight"] = take(pre + "mlp.down_proj.weight")
+        state[out + "attention_norm.weight"] = take(pre + "input_layernorm.weight")
+        state[out + "ffn_norm.weight"] = take(pre + "post_attention_layernorm.weight")
+    if config.tie_word_embeddings:
+        hf.pop("lm_head.weight", None)
+    else:
+        state["output.weight"] = take("lm_head.weight")
+    if hf:
+        raise EngineError(f"{folder}: unexpected tensors in checkpoint: {', '.join(sorted(hf)[:5])}")
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if config.tie_word_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,126 @@
+"""Memory planner: what a model and a slot count cost, and whether it fits.
+
+Everything the torch engine allocates is known before it loads a byte: the weights
+(parameter count x dtype size), the KV cache (per slot:
+2 x layers x kv_heads x head_dim x max_seq_len x dtype size) and a per-slot presence mask
+for the repetition penalty (vocab bytes), plus working memory for one decode step (logits
+and sampling buffers for max_batch_size rows). The engine plans first and refuses, with the
+numbers, a configuration that cannot fit, instead of failing half-way through start-up or,
+worse, at the first busy moment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orpheus_serve.engines.base import EngineError
+from orpheus_serve.engines.llama import LlamaConfig
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_slot(config: LlamaConfig, max_seq_len: int, dtype: torch.dtype) -> int:
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
+
+
+def weights_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    return config.num_parameters * dtype_bytes(dtype)
+
+
+def step_workspace_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    """Working memory of one decode step, generously: fp32 logits plus the sort, softmax and noise
+    buffers of unconstrained sampling (~8 vocab-wide 8-byte rows per batch row), and the keys and
+    values a layer gathers for the batch at full length, twice over for attention's own buffers."""
+    sampling = 8 * max_batch_size * config.vocab_size * 8
+    attention = 2 * 2 * max_batch_size * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
+    return sampling + attention
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on the device now: CUDA free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    weights_bytes: int
+    kv_bytes_per_slot: int
+    presence_bytes_per_slot: int
+    workspace_bytes: int
+    num_slots: int
+    max_seq_len: int
+    budget_bytes: int | None  # None: the device's free memory is unknown, nothing is checked
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.kv_bytes_per_slot + self.presence_bytes_per_slot
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_bytes_per_slot * self.num_slots
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.workspace_bytes + self.bytes_per_slot * self.num_slots
+
+    @property
+    def max_slots(self) -> int | None:
+        """Slots that fit in the budget next to the weights and workspace."""
+        if self.budget_bytes is None:
+            return None
+        return max(0, (self.budget_bytes - self.weights_bytes - self.workspace_bytes) // self.bytes_per_slot)
+
+    @property
+    def fits(self) -> bool:
+        return self.max_slots is None or self.num_slots <= self.max_slots
+
+    def describe(self) -> str:
+        fit = "unknown free memory" if self.max_slots is None else f"{self.max_slots} fit"
+        budget = "" if self.budget_bytes is None else f" of a {self.budget_bytes / GiB:.2f} GiB budget"
+        return (f"weights {self.weights_bytes / GiB:.2f} GiB + KV cache {self.kv_bytes_per_slot / MiB:.1f} MiB/slot "
+                f"(max_seq_len {self.max_seq_len}) x {self.num_slots} slots = {self.total_bytes / GiB:.2f} GiB"
+                f"{budget}; {fit}")
+
+    def check(self) -> None:
+        """Raise EngineError, with what would fit, when the plan does not."""
+        if self.fits:
+            return
+        assert self.max_slots is not None and self.budget_bytes is not None
+        raise EngineError(
+            f"not enough memory: {self.num_slots} slots x max_seq_len {self.max_seq_len} need "
+            f"{self.total_bytes / GiB:.2f} GiB (weights {self.weights_bytes / GiB:.2f} GiB, KV cache "
+            f"{self.kv_cache_bytes / GiB:.2f} GiB) but the budget is {self.budget_bytes / GiB:.2f} GiB; "
+            f"at most {self.max_slots} slots fit: lower scheduler.max_concurrent_sessions or engine.max_seq_len"
+        )
+
+
+def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype: torch.dtype,
+                max_batch_size: int, budget_bytes: int | None) -> MemoryPlan:
+    return MemoryPlan(
+        weights_bytes=weights_bytes(config, dtype),
+        kv_bytes_per_slot=kv_bytes_per_slot(config, max_seq_len, dtype),
+        presence_bytes_per_slot=config.vocab_size,
+        workspace_bytes=step_workspace_bytes(config, max_batch_size, max_seq_len, dtype),
+        num_slots=num_slots,
+        max_seq_len=max_seq_len,
+        budget_bytes=budget_bytes,
+    )

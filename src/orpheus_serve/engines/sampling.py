@@ -1,0 +1,208 @@
+"""On-device sampling for a batch of slots: repetition penalty, temperature, top-k, top-p, a
+per-session seed, greedy at temperature 0, and the frame-position constraint of DESIGN §3.
+
+Reproducibility whatever shares the batch: the randomness is counter-based. The noise for
+token id `v` of a session is a hash of (seed, step, v), turned into a Gumbel variable, and the
+token drawn is `argmax(filtered_logits / T + gumbel)` (the Gumbel-max trick, an exact draw from
+the softmax of the filtered logits). No generator state is shared or advanced, so a row's
+result depends only on that row: its logits, its seed and its step. All of it is torch integer
+and float ops on device, with no host sync, so it can sit inside a CUDA graph.
+
+Constrained decoding: the step of a session is also its audio position p (the prompt ends with
+start_of_speech, so the first generated token is audio position 0). Only the 4096 ids of slot
+p % 7 can be drawn, plus end_of_speech when p % 7 == 0. Constrained rows are sampled over that
+candidate set of 4097 ids instead of the whole 156940-id vocabulary: the output projection only
+computes the 7 x 4096 audio rows and end_of_speech (`constrained_logits`), and sorting for top-p
+covers 4097 values, not 156940. The candidates carry their token ids, so the noise, and hence
+the draw, is the one a full-vocabulary mask would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from orpheus_serve import protocol as P
+from orpheus_serve.engines.base import SamplingParams
+
+MASK32 = 0xFFFFFFFF
+CANDIDATES_PER_POSITION = P.CODEBOOK_SIZE + 1  # the slot's 4096 codes + end_of_speech
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (the `hash32` finaliser) on int64 tensors holding values in [0, 2^32).
+    The multiplier is below 2^27, so products stay below 2^59: no int64 overflow on any device."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & MASK32
+    return (x >> 16) ^ x
+
+
+def counter_uniform(seed: Tensor, step: Tensor, token_hash: Tensor) -> Tensor:
+    """Uniform noise in (0, 1), a pure function of (seed, step, token).
+    seed, step [B] int64 (seed >= 0); token_hash [B, C] = mix32(token id) -> [B, C] fp32."""
+    row = mix32((seed & MASK32) ^ mix32(((seed >> 32) & MASK32) ^ mix32(step & MASK32)))  # [B]
+    x = mix32(row.unsqueeze(1) ^ token_hash)  # [B, C]: one hash round per candidate
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
+
+
+def gumbel_noise(seed: Tensor, step: Tensor, token_hash: Tensor) -> Tensor:
+    return -torch.log(-torch.log(counter_uniform(seed, step, token_hash)))
+
+
+def constrained_candidates(audio_positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Token ids a constrained row may produce, and which of them are allowed.
+    audio_positions [B] -> ids [B, 4097] (slot p % 7's codes, then end_of_speech), allowed [B, 4097]."""
+    phase = audio_positions % P.TOKENS_PER_FRAME  # [B]
+    codes = torch.arange(P.CODEBOOK_SIZE, device=audio_positions.device)
+    ids = (P.AUDIO_TOKEN_BASE + phase * P.CODEBOOK_SIZE).unsqueeze(1) + codes  # [B, 4096]
+    ids = torch.cat([ids, torch.full_like(ids[:, :1], P.END_OF_SPEECH)], dim=1)  # [B, 4097]
+    allowed = torch.ones_like(ids, dtype=torch.bool)
+    allowed[:, -1] = phase == 0  # end_of_speech only at a frame boundary
+    return ids, allowed
+
+
+def constrained_logits(hidden: Tensor, output_weight: Tensor, audio_positions: Tensor) -> Tensor:
+    """Logits of the candidates of `constrained_candidates`, without the full vocabulary projection.
+
+    hidden [B, dim]; output_weight [vocab, dim]; audio_positions [B] -> fp32 [B, 4097].
+    One batched matmul against the 7 x 4096 audio rows (5.5x fewer than the vocabulary), each row
+    keeping the block of its own position, plus the end_of_speech row."""
+    B = hidden.shape[0]
+    audio = output_weight[P.AUDIO_TOKEN_BASE : P.AUDIO_VOCAB_END]  # [7 * 4096, dim], a contiguous view
+    blocks = (hidden @ audio.T).float().view(B, P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)  # [B, 7, 4096]
+    rows = torch.arange(B, device=hidden.device)
+    own = blocks[rows, audio_positions % P.TOKENS_PER_FRAME]  # [B, 4096]
+    end = (hidden @ output_weight[P.END_OF_SPEECH]).float()  # [B]
+    return torch.cat([own, end.unsqueeze(1)], dim=1)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters, all [B] tensors on the logits' device."""
+
+    temperature: Tensor  # fp32; <= 0 means greedy
+    top_p: Tensor  # fp32 in (0, 1]
+    top_k: Tensor  # int64; 0 means off
+    repetition_penalty: Tensor  # fp32 >= 1
+    seed: Tensor  # int64 >= 0
+    step: Tensor  # int64: tokens this session has generated so far (= its audio position)
+
+
+def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, allowed: Tensor, seen: Tensor,
+                      params: SamplingBatch, *, any_random: bool = True, any_filter: bool = True) -> Tensor:
+    """Draw one token per row among candidates.
+
+    logits [B, C] fp32: the candidates' logits; token_ids [B, C] int64: their ids, and token_hash
+    [B, C] = mix32(token_ids), on which the noise is keyed; allowed [B, C] bool; seen [B, C] bool:
+    the candidate occurred in the session (prompt or generated), for the repetition penalty.
+    Returns token ids [B] int64. Order as in Hugging Face generate: repetition penalty,
+    temperature, top-k, top-p.
+
+    any_random / any_filter: False when the caller knows that no row samples (all greedy) or that
+    no sampling row uses top-k or top-p; the work skipped then is a no-op for every row, so a
+    row's token does not depend on them (nor on anything else in the batch).
+    """
+    C = logits.shape[1]
+    penalty = params.repetition_penalty.unsqueeze(1)  # [B, 1]
+    x = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    x = x.masked_fill(~allowed, -torch.inf)
+    greedy_ids = token_ids.gather(1, x.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    if not any_random:
+        return greedy_ids
+
+    greedy = params.temperature <= 0
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    x = x / temperature.unsqueeze(1)
+    if any_filter:
+        x, order = x.sort(dim=1, descending=True)  # [B, C]
+        rank = torch.arange(C, device=logits.device)
+        top_k = torch.where(params.top_k > 0, params.top_k, C).unsqueeze(1)  # [B, 1]
+        x = x.masked_fill(rank >= top_k, -torch.inf)
+        probs = x.softmax(dim=1)
+        mass_before = probs.cumsum(dim=1) - probs  # the most likely token always stays (mass 0 < top_p)
+        top_p = params.top_p.unsqueeze(1)
+        x = x.masked_fill((mass_before >= top_p) & (top_p < 1), -torch.inf)  # top_p 1 is off, exactly
+        token_ids, token_hash = token_ids.gather(1, order), token_hash.gather(1, order)
+    noisy = x + gumbel_noise(params.seed, params.step, token_hash)
+    sampled_ids = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def needs_work(params: list[SamplingParams]) -> tuple[bool, bool]:
+    """(any_random, any_filter) of `sample_candidates` for rows with these parameters."""
+    random_rows = [p for p in params if not p.greedy]
+    return bool(random_rows), any(p.top_k > 0 or p.top_p < 1 for p in random_rows)
+
+
+class SlotSamplingState:
+    """Sampling state of every slot, on device: the session's parameters and seed, and a presence
+    mask of the ids it has seen (prompt + generated) for the repetition penalty."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        if vocab_size < P.AUDIO_VOCAB_END:
+            raise ValueError(f"vocabulary of {vocab_size} ids has no Orpheus audio tokens")
+        self.vocab_size = vocab_size
+        self.device = device
+        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.repetition_penalty = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.presence = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)  # [N, V]
+        self.token_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))  # [V]
+        # Views of the audio rows, [N, 7, 4096] and [7, 4096]: a constrained row's candidates are
+        # one contiguous block of each, copied whole instead of gathered id by id.
+        audio = slice(P.AUDIO_TOKEN_BASE, P.AUDIO_VOCAB_END)
+        self.audio_presence = self.presence[:, audio].view(num_slots, P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)
+        self.audio_hash = self.token_hash[audio].view(P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)
+
+    def reset(self, slot: int, params: SamplingParams, seed: int) -> None:
+        self.temperature[slot] = max(params.temperature, 0.0)
+        self.top_p[slot] = params.top_p
+        self.top_k[slot] = params.top_k
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.seed[slot] = seed % (1 << 63)
+        self.presence[slot] = False
+
+    def mark_seen(self, slots: Tensor, token_ids: Tensor) -> None:
+        """slots [B], token_ids [B] (one id per row) or slots [1], token_ids [T] (prompt ids)."""
+        self.presence[slots, token_ids] = True
+
+    def batch(self, slots: Tensor, steps: Tensor) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=self.temperature[slots],
+            top_p=self.top_p[slots],
+            top_k=self.top_k[slots],
+            repetition_penalty=self.repetition_penalty[slots],
+            seed=self.seed[slots],
+            step=steps,
+        )
+
+    def sample_constrained(self, logits: Tensor, slots: Tensor, steps: Tensor,
+                           params: list[SamplingParams] | None = None) -> Tensor:
+        """logits [B, 4097] from `constrained_logits` for rows at slots [B], steps [B] (= audio
+        positions); `params`, the rows' parameters on the host, lets it skip no-op work.
+        Returns token ids [B]; records them as seen."""
+        token_ids, allowed = constrained_candidates(steps)  # [B, 4097]
+        phase = steps % P.TOKENS_PER_FRAME
+        seen = torch.cat([self.audio_presence[slots, phase], self.presence[slots, P.END_OF_SPEECH].unsqueeze(1)], 1)
+        token_hash = torch.cat([self.audio_hash[phase], self.token_hash[P.END_OF_SPEECH].expand(len(steps), 1)], 1)
+        any_random, any_filter = needs_work(params) if params is not None else (True, True)
+        tokens = sample_candidates(logits, token_ids, token_hash, allowed, seen,
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+        self.mark_seen(slots, tokens)
+        return tokens
+
+    def sample_full(self, logits: Tensor, slots: Tensor, steps: Tensor,
+                    params: list[SamplingParams] | None = None) -> Tensor:
+        """logits [B, vocab] for unconstrained rows. Returns token ids [B]; records them as seen."""
+        B, V = logits.shape
+        token_ids = torch.arange(V, device=logits.device).expand(B, V)
+        allowed = torch.ones_like(logits, dtype=torch.bool)
+        any_random, any_filter = needs_work(params) if params is not None else (True, True)
+        tokens = sample_candidates(logits, token_ids, self.token_hash.expand(B, V), allowed, self.presence[slots],
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+        self.mark_seen(slots, tokens)
+        return tokens

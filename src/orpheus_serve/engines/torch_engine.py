@@ -1,0 +1,348 @@
+"""TorchEngine: the `TokenEngine` that runs llama.py's Llama on CPU or CUDA.
+
+Start-up (nothing is allocated per request afterwards):
+
+    config.json ──▶ memory plan ──▶ refuse (EngineError) if it cannot fit
+                                  └▶ load weights ─▶ KV cache [slots (+1 scratch), Hkv, max_seq_len, D]
+                                                 ─▶ per-slot sampling state (params, seed, presence mask)
+                                                 ─▶ CUDA only: decode graphs per (padded batch, kv bucket)
+
+`step(plan)`, called by the engine core thread only:
+
+1. `release`: the slot's session is forgotten; its cache rows are simply overwritten by the
+   next occupant (attention masks everything past a row's own position).
+2. `prefill`: each chunk runs as one forward pass of T tokens for its slot. start == 0 starts a
+   session (seed, repetition mask, counters); the last chunk also samples the first generated
+   token (audio position 0) from the last position's logits.
+3. `decode`: one forward pass over every listed slot (B rows, T = 1), each fed its last sampled
+   token at its own position, then one sampling call per batch: one new token per slot.
+
+Per-slot problems (a sequence that would pass max_seq_len, a chunk out of order, an unknown
+slot) are checked on the host before any compute and reported in `StepOutput.failed`; the other
+slots of the step are unaffected. The engine never ends a session by itself: end_of_speech and
+max_tokens are the scheduler's call.
+
+On CUDA all work runs on the engine's own stream, and decode steps replay CUDA graphs captured
+at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-two KV lengths
+(256 ... max_seq_len). Padding rows write into a scratch slot that no session owns. Prefill
+(variable length) and sampling (a few dozen kernels, no host sync) run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from orpheus_serve import protocol as P
+from orpheus_serve.engines.base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
+from orpheus_serve.engines.memory import available_bytes, plan_memory
+from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
+
+if TYPE_CHECKING:
+    from orpheus_serve.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Session:
+    request_id: str
+    sampling: SamplingParams
+    cached: int = 0  # tokens in the KV cache = position the next token is written at
+    generated: int = 0  # tokens sampled so far = audio position of the next one
+    ready: bool = False  # prompt complete: the last sampled token waits to be fed
+
+
+def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
+    """smallest, 2*smallest, 4*smallest, ... below limit, then limit itself."""
+    sizes, size = [], smallest
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+class DecodeGraphs:
+    """`Transformer.decode` (to hidden states) captured as CUDA graphs, one per (padded batch size, KV length bucket).
+
+    Inputs are copied into static buffers; rows past the real batch point at `scratch_slot`,
+    position 0, so they never touch a session's cache. Graphs share one memory pool and are
+    replayed one at a time on the engine's stream.
+    """
+
+    def __init__(self, model: Transformer, *, batch_sizes: Sequence[int], kv_lens: Sequence[int],
+                 scratch_slot: int, stream: torch.cuda.Stream) -> None:
+        device = model.output.weight.device
+        self.batch_sizes = sorted(batch_sizes)
+        self.kv_lens = sorted(kv_lens)
+        self.scratch_slot = scratch_slot
+        max_batch = self.batch_sizes[-1]
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.stream(stream):
+            # Largest first: the shared pool is sized by the first capture and reused by the rest.
+            for batch in reversed(self.batch_sizes):
+                for kv_len in reversed(self.kv_lens):
+                    args = (self.tokens[:batch], self.slots[:batch], self.positions[:batch], kv_len)
+                    for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
+                        model.decode(*args)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        hidden = model.decode(*args)  # [batch, dim]
+                    self.graphs[(batch, kv_len)] = (graph, hidden)
+        stream.synchronize()
+
+    def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """Same contract as Transformer.decode; the result is a view valid until the next run."""
+        n = tokens.shape[0]
+        batch = next(b for b in self.batch_sizes if b >= n)
+        bucket = next(k for k in self.kv_lens if k >= kv_len)
+        self.tokens[:n].copy_(tokens)
+        self.slots[:n].copy_(slots)
+        self.positions[:n].copy_(positions)
+        if batch > n:
+            self.tokens[n:batch].zero_()
+            self.slots[n:batch].fill_(self.scratch_slot)
+            self.positions[n:batch].zero_()
+        graph, hidden = self.graphs[(batch, bucket)]
+        graph.replay()
+        return hidden[:n]
+
+
+class TorchEngine:
+    """Slot-batched Llama token engine (see the module docstring)."""
+
+    def __init__(self, model_path: str | Path, *, num_slots: int, max_seq_len: int, device: str = "cpu",
+                 dtype: str = "fp32", max_batch_size: int = 16, cuda_graphs: bool = True,
+                 memory_fraction: float = 0.9, seed: int | None = None) -> None:
+        if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
+            raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
+        folder = Path(model_path)
+        if not folder.is_dir():
+            raise EngineError(f"{folder}: not a local model folder (download the checkpoint first)")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"device {device!r} requested but CUDA is not available")
+        self.dtype = torch_dtype(dtype)
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.config = LlamaConfig.from_folder(folder)
+        if self.config.vocab_size < P.AUDIO_VOCAB_END:
+            raise EngineError(f"{folder}: vocabulary of {self.config.vocab_size} ids has no Orpheus audio tokens "
+                              f"(needs at least {P.AUDIO_VOCAB_END})")
+
+        budget = available_bytes(self.device)
+        plan = plan_memory(self.config, num_slots=num_slots, max_seq_len=max_seq_len, dtype=self.dtype,
+                           max_batch_size=max_batch_size,
+                           budget_bytes=None if budget is None else int(budget * memory_fraction))
+        logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
+        plan.check()
+
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with self._on_stream():
+            self.model = load_transformer(folder, dtype=self.dtype, device=self.device)
+            # With graphs, one extra cache row takes the padding rows' writes.
+            self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len)
+            self._sampling = SlotSamplingState(num_slots, self.config.vocab_size, self.device)
+            self._last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self._sessions: list[_Session | None] = [None] * num_slots
+        self._seed_source = random.Random(seed)
+        self._closed = False
+        self._graphs: DecodeGraphs | None = None
+        if use_graphs:
+            assert self._stream is not None
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self._graphs = DecodeGraphs(
+                    self.model, batch_sizes=padded_sizes(max_batch_size), kv_lens=padded_sizes(max_seq_len, 256),
+                    scratch_slot=num_slots, stream=self._stream)
+            logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs),
+                        time.perf_counter() - started)
+
+    @classmethod
+    def from_config(cls, config: Config) -> TorchEngine:
+        from orpheus_serve.config import resolve_device, resolve_dtype
+
+        device = resolve_device(config.engine.device)
+        return cls(
+            config.engine.model_path,
+            num_slots=config.scheduler.max_concurrent_sessions,
+            max_seq_len=config.engine.max_seq_len,
+            device=device,
+            dtype=resolve_dtype(config.engine.dtype, device),
+            max_batch_size=config.scheduler.max_batch_size,
+            cuda_graphs=config.engine.cuda_graphs,
+            memory_fraction=config.engine.memory_fraction,
+        )
+
+    # ------------------------------------------------------------------ TokenEngine
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        if self._closed:
+            raise EngineError("engine is closed")
+        started = time.perf_counter()
+        out = StepOutput()
+        with torch.inference_mode(), self._on_stream():
+            for slot in plan.release:
+                if self._valid_slot(slot, out):
+                    self._sessions[slot] = None
+            for chunk in plan.prefill:
+                self._prefill(chunk, out)
+            rows = self._decodable(plan.decode, out)
+            for first in range(0, len(rows), self.max_batch_size):
+                self._decode(rows[first : first + self.max_batch_size], out)
+        out.elapsed_s = time.perf_counter() - started
+        return out
+
+    def memory_report(self) -> MemoryReport:
+        weights = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        kv_total = sum(b.numel() * b.element_size() for name, b in self.model.named_buffers()
+                       if name.endswith(("k_cache", "v_cache")))
+        c = self.config
+        per_slot = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.max_seq_len * self.model.output.weight.element_size()
+        return MemoryReport(device=str(self.device), weights_bytes=sum(weights.values()), kv_cache_bytes=kv_total,
+                            kv_bytes_per_slot=per_slot, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
+                            free_bytes=available_bytes(self.device))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._graphs = None
+        del self.model, self._sampling, self._last_token
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            yield
+
+    def _valid_slot(self, slot: int, out: StepOutput) -> bool:
+        if 0 <= slot < self.num_slots:
+            return True
+        out.failed[slot] = f"slot {slot} is outside 0..{self.num_slots - 1}"
+        return False
+
+    def _fail(self, slot: int, reason: str, out: StepOutput) -> None:
+        out.failed[slot] = reason
+        self._sessions[slot] = None
+
+    def _prefill(self, chunk: PrefillChunk, out: StepOutput) -> None:
+        slot = chunk.slot
+        if not self._valid_slot(slot, out):
+            return
+        if not 0 <= chunk.start < chunk.end <= len(chunk.prompt_ids):
+            self._fail(slot, f"prefill chunk [{chunk.start}, {chunk.end}) is empty or outside the prompt", out)
+            return
+        if chunk.end > self.max_seq_len:
+            self._fail(slot, f"prompt of {chunk.end} tokens exceeds max_seq_len {self.max_seq_len}", out)
+            return
+        ids = chunk.prompt_ids[chunk.start : chunk.end]
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            self._fail(slot, f"prompt ids must be in 0..{self.config.vocab_size - 1}", out)
+            return
+        if chunk.start == 0:
+            session = _Session(request_id=chunk.request_id, sampling=chunk.sampling)
+            self._sessions[slot] = session
+            seed = chunk.sampling.seed if chunk.sampling.seed is not None else self._seed_source.getrandbits(63)
+            self._sampling.reset(slot, chunk.sampling, seed)
+        else:
+            current = self._sessions[slot]
+            if current is None or current.ready or current.request_id != chunk.request_id \
+                    or current.cached != chunk.start:
+                self._fail(slot, f"prefill chunk starting at {chunk.start} does not continue the slot's prompt", out)
+                return
+            session = current
+
+        tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        slot_index = torch.tensor([slot], device=self.device)
+        self._sampling.mark_seen(slot_index, tokens)
+        hidden = self.model.prefill(tokens, slot, chunk.start)  # [T, dim]
+        session.cached = chunk.end
+        if not chunk.is_last:
+            return
+        step = torch.zeros(1, dtype=torch.int64, device=self.device)
+        first = self._sample(hidden[-1:], slot_index, step, [chunk.sampling])
+        self._last_token[slot] = first[0]
+        session.generated, session.ready = 1, True
+        out.tokens.setdefault(slot, []).append(int(first[0]))
+
+    def _sample(self, hidden: Tensor, slots: Tensor, steps: Tensor, params: list[SamplingParams]) -> Tensor:
+        """hidden [B, dim] of rows that are all constrained or all not -> new token ids [B]."""
+        if params[0].constrained:
+            logits = constrained_logits(hidden, self.model.output.weight, steps)  # [B, 4097]
+            return self._sampling.sample_constrained(logits, slots, steps, params)
+        return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params)
+
+    def _decodable(self, slots: Sequence[int], out: StepOutput) -> list[int]:
+        rows: list[int] = []
+        listed: set[int] = set()
+        for slot in slots:
+            if not self._valid_slot(slot, out):
+                continue
+            session = self._sessions[slot]
+            if slot in listed:
+                self._fail(slot, "slot listed twice in one decode step", out)
+            elif session is None or not session.ready:
+                self._fail(slot, "decode of a slot without a prefilled session", out)
+            elif session.cached >= self.max_seq_len:
+                self._fail(slot, f"sequence would exceed max_seq_len {self.max_seq_len}", out)
+            else:
+                rows.append(slot)
+            listed.add(slot)
+        return [s for s in rows if self._sessions[s] is not None]
+
+    def _decode(self, rows: list[int], out: StepOutput) -> None:
+        if not rows:
+            return
+        sessions = [self._sessions[s] for s in rows]
+        assert all(s is not None for s in sessions)
+        host = torch.tensor([rows, [s.cached for s in sessions], [s.generated for s in sessions]],  # type: ignore[union-attr]
+                            dtype=torch.int64)
+        slots, positions, steps = host.to(self.device).unbind(0)  # [B] each
+        kv_len = int(host[1].max()) + 1
+        tokens = self._last_token[slots]
+        if self._graphs is not None:
+            hidden = self._graphs.run(tokens, slots, positions, kv_len)
+        else:
+            hidden = self.model.decode(tokens, slots, positions, kv_len)  # [B, dim]
+
+        params = [s.sampling for s in sessions]  # type: ignore[union-attr]
+        constrained = [p.constrained for p in params]
+        if all(constrained) or not any(constrained):
+            new = self._sample(hidden, slots, steps, params)
+        else:
+            new = torch.empty_like(slots)
+            for flag in (True, False):
+                rows_of_kind = [i for i, c in enumerate(constrained) if c == flag]
+                idx = torch.tensor(rows_of_kind, device=self.device)
+                new[idx] = self._sample(hidden[idx], slots[idx], steps[idx], [params[i] for i in rows_of_kind])
+        self._last_token[slots] = new
+        for slot, session, token in zip(rows, sessions, new.tolist(), strict=True):
+            assert session is not None
+            session.cached += 1
+            session.generated += 1
+            out.tokens.setdefault(slot, []).append(token)
