@@ -27,6 +27,7 @@ import websockets
 from websockets.asyncio.client import connect as ws_connect
 
 from ..audio import AUDIO_FORMATS, decode_audio, wav_header
+from ..benchmarking.streams import StreamRecord
 from ..protocol import SAMPLE_RATE
 from .proto import orpheus_pb2 as pb
 from .proto import orpheus_pb2_grpc as pb_grpc
@@ -45,31 +46,22 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_
 
 
 @dataclass(slots=True)
-class ClientResult:
-    protocol: str
-    sent_s: float  # time.perf_counter() when the request left
+class ClientResult(StreamRecord):
+    """One request as the client saw it. A `StreamRecord` (protocol, sent_s, chunks of (arrival
+    perf_counter, bytes), status ok | rejected | error, error), so benchmark summaries take it as is."""
+
     format: str = "pcm"
     sample_rate: int = SAMPLE_RATE
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival perf_counter, bytes)
     audio: bytearray = field(default_factory=bytearray)
-    status: str = "ok"  # ok | rejected | error
-    error: str | None = None
     code: str | None = None  # HTTP status, gRPC status name, or the error code of a WebSocket error message
     metrics: dict[str, Any] | None = None
     request_id: str | None = None
-    text_chars: int = 0
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def ttfb_s(self) -> float | None:
-        return self.chunks[0][0] - self.sent_s if self.chunks else None
-
-    @property
-    def wall_s(self) -> float:
-        return self.chunks[-1][0] - self.sent_s if self.chunks else 0.0
+    def underruns(self) -> tuple[int, float]:
+        """(count, stall seconds) for a player starting at the first byte; needs PCM at the model's rate."""
+        if self.format != "pcm" or self.sample_rate != SAMPLE_RATE:
+            raise ValueError("underruns are measured on 24 kHz pcm streams, where bytes give playback time")
+        return StreamRecord.underruns(self)
 
     def samples(self) -> int:
         """Samples of audio received (decoding the bytes for encoded formats)."""
@@ -86,11 +78,6 @@ class ClientResult:
             return len(self.audio) / 2 / self.sample_rate
         decoded, rate = decode_audio(bytes(self.audio), self.format, sample_rate=self.sample_rate)
         return len(decoded) / rate
-
-    @property
-    def rtf(self) -> float | None:
-        seconds = self.audio_seconds
-        return self.wall_s / seconds if seconds > 0 else None
 
     def _receive(self, data: bytes) -> None:
         self.chunks.append((time.perf_counter(), len(data)))
