@@ -343,3 +343,12 @@ def test_error_bodies_name_the_parameter(server: ServerThread) -> None:
     check_openai_error(httpx.post(speech, content=b"x" * 70_000), 413, "request_too_large")
     response = httpx.delete(speech)
     check_openai_error(response, 405, "method_not_allowed")
+
+
+def test_grpc_errors_carry_code_and_parameter_in_trailing_metadata(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.grpc_address) as channel, pytest.raises(grpc.RpcError) as rpc:
+        list(pb_grpc.SynthesizerStub(channel).Synthesize(pb.SynthesizeRequest(text="hi", voice="bob")))
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown voice" in rpc.value.details()
+    trailing = dict(rpc.value.trailing_metadata())
+    assert trailing["error-code"] == "invalid_request" and trailing["error-param"] == "voice"

@@ -101,8 +101,5 @@ def http_headers(exc: SynthesisError) -> dict[str, str]:
 
 
 def grpc_status(exc: SynthesisError) -> tuple[grpc.StatusCode, str]:
-    message = str(exc) or exc.__class__.__name__
-    param = getattr(exc, "param", None)
-    if param:
-        message = f"{param}: {message}"
-    return mapping_for(exc).grpc_code, message
+    """Status code and details; the parameter at fault travels in trailing metadata (`error-param`)."""
+    return mapping_for(exc).grpc_code, str(exc) or exc.__class__.__name__
