@@ -18,6 +18,7 @@ import grpc
 import httpx
 import pytest
 import websockets
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.sync.client import connect as ws_connect
 
 from orpheus_serve.api import client as api_client
@@ -151,6 +152,31 @@ def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
     wait_for(lambda: _idle(server), 2.0, "connections released")
     assert httpx.post(f"{base}/v1/audio/speech", json={"input": "hi", "max_tokens": 28},
                       headers=GOOD).status_code == 200
+
+
+def test_not_ready_until_warmed_up(tiny_orpheus: Path) -> None:
+    srv = ServerThread(sim_config(tiny_orpheus))
+    try:
+        srv.call(srv.server.open_listeners())
+        base = srv.base_url
+        assert httpx.get(f"{base}/health").status_code == 200  # alive while warming up
+        ready = httpx.get(f"{base}/ready")
+        assert (ready.status_code, ready.json()["status"]) == (503, "warming_up")
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "hi"}), 503, "unavailable")
+        with grpc.insecure_channel(srv.grpc_address) as channel:
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="orpheus.v1.Synthesizer")
+            assert health_stub.Check(check).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(pb_grpc.SynthesizerStub(channel).Synthesize(pb.SynthesizeRequest(text="hi")))
+            assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
+            srv.start()
+            assert httpx.get(f"{base}/ready").json() == {"status": "ready"}
+            assert health_stub.Check(check).status == health_pb2.HealthCheckResponse.SERVING
+            assert health_stub.Check(health_pb2.HealthCheckRequest()).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    finally:
+        srv.stop(0)
 
 
 def test_graceful_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(tiny_orpheus: Path) -> None:

@@ -122,6 +122,7 @@ class Gateway:
         self._idle.set()
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self.started_at = time.time()
+        self.shutting_down = False  # set by the server when shutdown begins; the service says the rest
         self.metrics = ServingMetrics(service.stats, self.figures)
         service.add_observer(self.metrics)
         # Compressed encoding, resampling and tempo cost milliseconds per chunk; PyAV releases the GIL while
@@ -162,6 +163,11 @@ class Gateway:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         return self.service.validate(request), output
 
+    def readiness(self) -> Literal["ready", "warming_up", "shutting_down"]:
+        if self.shutting_down:
+            return "shutting_down"
+        return "ready" if self.service.ready and self.service.accepting else "warming_up"
+
     def acquire_connection(self) -> ConnectionLease:
         return self.limiter.acquire()
 
@@ -181,9 +187,9 @@ class Gateway:
                 lease.release()
             raise
         try:
-            if not (self.service.ready and self.service.accepting):
-                raise ServiceUnavailableError(
-                    "the server is warming up" if self.service.accepting else "the server is shutting down")
+            state = self.readiness()
+            if state != "ready":
+                raise ServiceUnavailableError(f"the server is {state.replace('_', ' ')}; retry shortly")
             if not await stream.start(disconnected):
                 await stream.close()
                 return None

@@ -237,10 +237,10 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if gateway.service.ready and gateway.service.accepting:
-            return JSONResponse({"status": "ready"})
-        status = "warming_up" if gateway.service.accepting else "shutting_down"
-        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
+        state = gateway.readiness()
+        if state == "ready":
+            return JSONResponse({"status": state})
+        return JSONResponse({"status": state}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -88,8 +88,8 @@ class OrpheusServer:
     def host(self) -> str:
         return self.config.server.host
 
-    async def start(self) -> None:
-        """Bind and serve both listeners, then warm the service up; returns once /ready is true."""
+    async def open_listeners(self) -> None:
+        """Bind and serve HTTP/WebSocket and gRPC; /ready and gRPC health say not-ready until `start()`."""
         server_cfg = self.config.server
         info = self.service.model_info
         if info.tiny:
@@ -107,6 +107,12 @@ class OrpheusServer:
         await self._grpc.start()
         log.info("listening: HTTP/WebSocket on %s:%d, gRPC on %s:%d (model %s, backend %s); warming up",
                  server_cfg.host, self.http_port, server_cfg.host, self.grpc_port, info.id, info.backend)
+
+    async def start(self) -> None:
+        """Open the listeners (unless open), then warm the service up; returns once /ready is true."""
+        if self._uvicorn_task is None:
+            await self.open_listeners()
+        assert self._uvicorn_task is not None and self._grpc is not None
         await self.service.start()
         # Starlette streams every response through anyio, whose asyncio backend loads on first use: load it
         # now rather than inside the first client's time to first byte (hundreds of ms on a busy disk).
@@ -126,6 +132,7 @@ class OrpheusServer:
     async def _do_shutdown(self, grace_s: float | None) -> None:
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         log.info("shutting down: no new requests; in-flight streams get %.1fs to finish", grace)
+        self.gateway.shutting_down = True
         if self._grpc is not None:
             await self._grpc.set_serving(False)
         await self.service.shutdown(grace)
