@@ -38,7 +38,7 @@ def server(tiny_orpheus: Path):
     """Keys on, one KV slot and no queue (the second stream is refused), three connections at most."""
     srv = start_server(sim_config(tiny_orpheus, **{
         "server.api_keys": KEYS, "server.max_connections": 3, "scheduler.max_concurrent_sessions": 1,
-        "scheduler.max_batch_size": 1, "scheduler.max_queue": 0}))
+        "scheduler.max_batch_size": 1, "scheduler.max_queue": 0, "server.max_ws_requests_per_connection": 2}))
     yield srv
     srv.stop()
 
@@ -152,6 +152,20 @@ def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
     wait_for(lambda: _idle(server), 2.0, "connections released")
     assert httpx.post(f"{base}/v1/audio/speech", json={"input": "hi", "max_tokens": 28},
                       headers=GOOD).status_code == 200
+
+
+def test_websocket_requests_per_connection_are_capped(server: ServerThread) -> None:
+    with ws_connect(api_client.stream_url(server.base_url), additional_headers=GOOD) as ws:
+        for i in range(2):
+            ws.send(json.dumps({"text": f"Request {i}.", "max_tokens": 28}))
+            while isinstance(message := ws.recv(timeout=30), bytes):
+                pass
+            assert json.loads(message)["done"] is True
+        ws.send(json.dumps({"text": "One too many.", "max_tokens": 28}))
+        assert json.loads(ws.recv(timeout=30))["error"]["code"] == "too_many_requests"
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+        assert closed.value.rcvd.code == 1008
 
 
 def test_not_ready_until_warmed_up(tiny_orpheus: Path) -> None:
