@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -81,7 +81,7 @@ class ConnectionLease:
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._limiter._open -= 1
+            self._limiter._release()
 
 
 class ConnectionLimiter:
@@ -101,6 +101,9 @@ class ConnectionLimiter:
                 f"the server has {self.limit} streams open (server.max_connections); retry shortly")
         self._open += 1
         return ConnectionLease(self)
+
+    def _release(self) -> None:
+        self._open -= 1
 
 
 def voice_list() -> list[dict[str, Any]]:
@@ -392,30 +395,3 @@ class SpeechStream:
         self.gateway.stream_closed(self.protocol, status)
         if status not in ("ok", "cancelled"):
             log.info("request %s (%s) ended: %s", self.request.request_id, self.protocol, status)
-
-
-def parse_error_param(loc: tuple[Any, ...] | list[Any], skip: tuple[str, ...] = ("body",)) -> str | None:
-    """`("body", "speed")` -> `"speed"`: the parameter a pydantic error points at."""
-    parts = [str(p) for p in loc if str(p) not in skip]
-    return ".".join(parts) or None
-
-
-def first_validation_error(errors: list[Mapping[str, Any]], skip: tuple[str, ...] = ("body",)
-                           ) -> InvalidRequestError:
-    """A pydantic error list -> one InvalidRequestError naming the first bad parameter."""
-    if not errors:
-        return InvalidRequestError("invalid request")
-    err = errors[0]
-    param = parse_error_param(err.get("loc", ()), skip)
-    kind = err.get("type", "")
-    if kind == "json_invalid":
-        return InvalidRequestError("the request body is not valid JSON", param=None)
-    if param is None and kind in ("model_attributes_type", "model_type", "dict_type"):
-        return InvalidRequestError("the request must be a JSON object (Content-Type: application/json)", param=None)
-    if kind == "extra_forbidden":
-        return InvalidRequestError(f"unrecognized request argument supplied: {param}", param=param)
-    if kind == "missing":
-        return InvalidRequestError(f"missing required parameter: {param}", param=param)
-    message = str(err.get("msg", "invalid value"))
-    message = message.removeprefix("Value error, ")
-    return InvalidRequestError(f"{param}: {message}" if param else message, param=param)

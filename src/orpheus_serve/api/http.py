@@ -29,8 +29,8 @@ from ..config import Config
 from ..metrics import PROMETHEUS_CONTENT_TYPE
 from ..synthesis import SynthesisError
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
-from .gateway import Gateway, SpeechService, SpeechStream, first_validation_error, voice_list
-from .schemas import SpeechRequestBody
+from .gateway import Gateway, SpeechService, SpeechStream, voice_list
+from .schemas import SpeechRequestBody, first_validation_error
 from .websocket import STREAM_PATH, add_stream_route
 
 log = logging.getLogger(__name__)

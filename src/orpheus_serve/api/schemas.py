@@ -9,7 +9,8 @@ length per profile, known voices, sampling bounds) belong to
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,3 +81,30 @@ class StreamRequestMessage(SpeechFields):
 
     def output_options(self) -> OutputOptions:
         return OutputOptions(format=self.response_format, sample_rate=self.sample_rate, speed=self.speed)
+
+
+def parse_error_param(loc: tuple[Any, ...] | list[Any], skip: tuple[str, ...] = ("body",)) -> str | None:
+    """`("body", "speed")` -> `"speed"`: the parameter a pydantic error points at."""
+    parts = [str(p) for p in loc if str(p) not in skip]
+    return ".".join(parts) or None
+
+
+def first_validation_error(errors: list[Mapping[str, Any]], skip: tuple[str, ...] = ("body",)
+                           ) -> InvalidRequestError:
+    """A pydantic error list -> one InvalidRequestError naming the first bad parameter."""
+    if not errors:
+        return InvalidRequestError("invalid request")
+    err = errors[0]
+    param = parse_error_param(err.get("loc", ()), skip)
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return InvalidRequestError("the request body is not valid JSON", param=None)
+    if param is None and kind in ("model_attributes_type", "model_type", "dict_type"):
+        return InvalidRequestError("the request must be a JSON object (Content-Type: application/json)", param=None)
+    if kind == "extra_forbidden":
+        return InvalidRequestError(f"unrecognized request argument supplied: {param}", param=param)
+    if kind == "missing":
+        return InvalidRequestError(f"missing required parameter: {param}", param=param)
+    message = str(err.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
+    return InvalidRequestError(f"{param}: {message}" if param else message, param=param)

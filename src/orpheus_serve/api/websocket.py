@@ -31,8 +31,8 @@ from pydantic import ValidationError
 
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
-from .gateway import Gateway, first_validation_error
-from .schemas import StreamRequestMessage
+from .gateway import Gateway
+from .schemas import StreamRequestMessage, first_validation_error
 
 if TYPE_CHECKING:
     from starlette.types import Message
