@@ -89,9 +89,46 @@ class SamplingBatch:
     seed: Tensor  # int64 >= 0
     step: Tensor  # int64: tokens this session has generated so far (= its audio position)
 
+    def select(self, rows: Tensor) -> SamplingBatch:
+        return SamplingBatch(*(getattr(self, name)[rows] for name in SamplingBatch.__slots__))
+
+
+def _filtered_draw(x: Tensor, token_ids: Tensor, token_hash: Tensor, params: SamplingBatch,
+                   width: int) -> tuple[Tensor, Tensor]:
+    """Top-k, top-p and the Gumbel draw over the `width` most likely candidates of each row.
+
+    x [B, C]: temperature-scaled logits (-inf where not allowed). Returns the drawn ids [B] and,
+    per row, whether those `width` candidates held the row's whole kept set, i.e. whether the
+    draw is exact (always, when width == C). Probabilities are normalised over the top-k set,
+    or over the whole row without top-k, whatever the width, so a row's draw is the same at
+    any width that holds it.
+    """
+    C = x.shape[1]
+    if width >= C:
+        vals, order = x.sort(dim=1, descending=True)  # [B, C]
+    else:
+        vals, order = x.topk(width, dim=1)  # [B, width], sorted descending
+    width = vals.shape[1]
+    rank = torch.arange(width, device=x.device)
+    top_k = params.top_k.unsqueeze(1)  # [B, 1]
+    vals = vals.masked_fill((top_k > 0) & (rank >= top_k), -torch.inf)
+    k_inside = (params.top_k > 0) & (params.top_k <= width)
+    log_norm = torch.where(k_inside, vals.logsumexp(dim=1), x.logsumexp(dim=1))  # [B]
+    probs = (vals - log_norm.unsqueeze(1)).exp()
+    mass = probs.cumsum(dim=1)
+    top_p = params.top_p.unsqueeze(1)
+    # The most likely token always stays (mass before it is 0 < top_p); top_p 1 is off, exactly.
+    vals = vals.masked_fill((mass - probs >= top_p) & (top_p < 1), -torch.inf)
+    held = k_inside | ((params.top_k == 0) & (params.top_p < 1) & (mass[:, -1] >= params.top_p))
+    token_ids, token_hash = token_ids.gather(1, order), token_hash.gather(1, order)
+    noisy = vals + gumbel_noise(params.seed, params.step, token_hash)
+    drawn = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    return drawn, held | (width >= C)
+
 
 def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, allowed: Tensor, seen: Tensor,
-                      params: SamplingBatch, *, any_random: bool = True, any_filter: bool = True) -> Tensor:
+                      params: SamplingBatch, *, any_random: bool = True, any_filter: bool = True,
+                      fast_width: int | None = None) -> Tensor:
     """Draw one token per row among candidates.
 
     logits [B, C] fp32: the candidates' logits; token_ids [B, C] int64: their ids, and token_hash
@@ -103,6 +140,10 @@ def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, all
     any_random / any_filter: False when the caller knows that no row samples (all greedy) or that
     no sampling row uses top-k or top-p; the work skipped then is a no-op for every row, so a
     row's token does not depend on them (nor on anything else in the batch).
+    fast_width: filter among each row's `fast_width` most likely candidates (a partial top-k,
+    much cheaper than sorting C on a CPU), and sort the whole row only for the rows whose kept
+    set reaches past them (one host sync). The draws are the same; None sorts every row
+    (no host sync, for devices where sorting is cheap).
     """
     C = logits.shape[1]
     penalty = params.repetition_penalty.unsqueeze(1)  # [B, 1]
@@ -115,18 +156,17 @@ def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, all
     greedy = params.temperature <= 0
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     x = x / temperature.unsqueeze(1)
-    if any_filter:
-        x, order = x.sort(dim=1, descending=True)  # [B, C]
-        rank = torch.arange(C, device=logits.device)
-        top_k = torch.where(params.top_k > 0, params.top_k, C).unsqueeze(1)  # [B, 1]
-        x = x.masked_fill(rank >= top_k, -torch.inf)
-        probs = x.softmax(dim=1)
-        mass_before = probs.cumsum(dim=1) - probs  # the most likely token always stays (mass 0 < top_p)
-        top_p = params.top_p.unsqueeze(1)
-        x = x.masked_fill((mass_before >= top_p) & (top_p < 1), -torch.inf)  # top_p 1 is off, exactly
-        token_ids, token_hash = token_ids.gather(1, order), token_hash.gather(1, order)
-    noisy = x + gumbel_noise(params.seed, params.step, token_hash)
-    sampled_ids = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    if not any_filter:
+        noisy = x + gumbel_noise(params.seed, params.step, token_hash)
+        sampled_ids = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    else:
+        width = C if fast_width is None else min(fast_width, C)
+        sampled_ids, held = _filtered_draw(x, token_ids, token_hash, params, width)
+        if width < C:
+            rows = (~(held | greedy)).nonzero().squeeze(1)  # host sync: which rows need the full sort
+            if rows.numel():
+                sampled_ids[rows] = _filtered_draw(x[rows], token_ids[rows], token_hash[rows], params.select(rows),
+                                                   C)[0]
     return torch.where(greedy, greedy_ids, sampled_ids)
 
 
@@ -140,11 +180,13 @@ class SlotSamplingState:
     """Sampling state of every slot, on device: the session's parameters and seed, and a presence
     mask of the ids it has seen (prompt + generated) for the repetition penalty."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device, *,
+                 fast_width: int | None = None) -> None:
         if vocab_size < P.AUDIO_VOCAB_END:
             raise ValueError(f"vocabulary of {vocab_size} ids has no Orpheus audio tokens")
         self.vocab_size = vocab_size
         self.device = device
+        self.fast_width = fast_width  # see sample_candidates
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -191,7 +233,8 @@ class SlotSamplingState:
         token_hash = torch.cat([self.audio_hash[phase], self.token_hash[P.END_OF_SPEECH].expand(len(steps), 1)], 1)
         any_random, any_filter = needs_work(params) if params is not None else (True, True)
         tokens = sample_candidates(logits, token_ids, token_hash, allowed, seen,
-                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter,
+                                   fast_width=self.fast_width)
         self.mark_seen(slots, tokens)
         return tokens
 
@@ -203,6 +246,7 @@ class SlotSamplingState:
         allowed = torch.ones_like(logits, dtype=torch.bool)
         any_random, any_filter = needs_work(params) if params is not None else (True, True)
         tokens = sample_candidates(logits, token_ids, self.token_hash.expand(B, V), allowed, self.presence[slots],
-                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter,
+                                   fast_width=self.fast_width)
         self.mark_seen(slots, tokens)
         return tokens
