@@ -63,6 +63,18 @@ class _Session:
     ready: bool = False  # prompt complete: the last sampled token waits to be fed
 
 
+def _sampling_problem(params: SamplingParams) -> str | None:
+    if not params.temperature >= 0:
+        return f"temperature {params.temperature} < 0"
+    if not 0 < params.top_p <= 1:
+        return f"top_p {params.top_p} outside (0, 1]"
+    if params.top_k < 0:
+        return f"top_k {params.top_k} < 0"
+    if not params.repetition_penalty > 0:
+        return f"repetition_penalty {params.repetition_penalty} <= 0"
+    return None
+
+
 def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
     """smallest, 2*smallest, 4*smallest, ... below limit, then limit itself."""
     sizes, size = [], smallest
@@ -213,6 +225,8 @@ class TorchEngine:
         return out
 
     def memory_report(self) -> MemoryReport:
+        if self._closed:
+            raise EngineError("engine is closed")
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
         kv_total = sum(b.numel() * b.element_size() for name, b in self.model.named_buffers()
                        if name.endswith(("k_cache", "v_cache")))
@@ -268,6 +282,10 @@ class TorchEngine:
             self._fail(slot, f"prompt ids must be in 0..{self.config.vocab_size - 1}", out)
             return
         if chunk.start == 0:
+            problem = _sampling_problem(chunk.sampling)
+            if problem:
+                self._fail(slot, f"invalid sampling parameters: {problem}", out)
+                return
             session = _Session(request_id=chunk.request_id, sampling=chunk.sampling)
             self._sessions[slot] = session
             seed = chunk.sampling.seed if chunk.sampling.seed is not None else self._seed_source.getrandbits(63)
