@@ -195,6 +195,11 @@ def test_constrained_logits_equal_the_full_projection_at_the_candidates() -> Non
     ids, allowed = constrained_candidates(positions)
     full = hidden @ weight.T
     torch.testing.assert_close(constrained_logits(hidden, weight, positions), full.gather(1, ids))
+    by_position = constrained_logits(hidden, weight, positions, positions.tolist())
+    torch.testing.assert_close(by_position, full.gather(1, ids))
+    one_class = torch.full((9,), 15)  # every row at the same position class
+    torch.testing.assert_close(constrained_logits(hidden, weight, one_class, one_class.tolist()),
+                               full.gather(1, constrained_candidates(one_class)[0]))
     assert allowed[:, -1].tolist() == [(p % 7 == 0) for p in positions.tolist()]
     assert all(ids[i, 0].item() == P.slot_token_range(p)[0] for i, p in enumerate(positions.tolist()))
     assert (ids[:, -1] == P.END_OF_SPEECH).all()

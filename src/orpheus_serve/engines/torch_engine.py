@@ -306,15 +306,18 @@ class TorchEngine:
         if not chunk.is_last:
             return
         step = torch.zeros(1, dtype=torch.int64, device=self.device)
-        first = self._sample(hidden[-1:], slot_index, step, [chunk.sampling])
+        first = self._sample(hidden[-1:], slot_index, step, [0], [chunk.sampling])
         self._last_token[slot] = first[0]
         session.generated, session.ready = 1, True
         out.tokens.setdefault(slot, []).append(int(first[0]))
 
-    def _sample(self, hidden: Tensor, slots: Tensor, steps: Tensor, params: list[SamplingParams]) -> Tensor:
+    def _sample(self, hidden: Tensor, slots: Tensor, steps: Tensor, host_steps: list[int],
+                params: list[SamplingParams]) -> Tensor:
         """hidden [B, dim] of rows that are all constrained or all not -> new token ids [B]."""
         if params[0].constrained:
-            logits = constrained_logits(hidden, self.model.output.weight, steps)  # [B, 4097]
+            # A CPU is compute-bound here: project each row onto its own position's 4096 rows only.
+            by_position = host_steps if self.device.type == "cpu" else None
+            logits = constrained_logits(hidden, self.model.output.weight, steps, by_position)  # [B, 4097]
             return self._sampling.sample_constrained(logits, slots, steps, params)
         return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params)
 
@@ -352,15 +355,17 @@ class TorchEngine:
             hidden = self.model.decode(tokens, slots, positions, kv_len)  # [B, dim]
 
         params = [s.sampling for s in sessions]  # type: ignore[union-attr]
+        host_steps = host[2].tolist()
         constrained = [p.constrained for p in params]
         if all(constrained) or not any(constrained):
-            new = self._sample(hidden, slots, steps, params)
+            new = self._sample(hidden, slots, steps, host_steps, params)
         else:
             new = torch.empty_like(slots)
             for flag in (True, False):
-                rows_of_kind = [i for i, c in enumerate(constrained) if c == flag]
-                idx = torch.tensor(rows_of_kind, device=self.device)
-                new[idx] = self._sample(hidden[idx], slots[idx], steps[idx], [params[i] for i in rows_of_kind])
+                kind = [i for i, c in enumerate(constrained) if c == flag]
+                idx = torch.tensor(kind, device=self.device)
+                new[idx] = self._sample(hidden[idx], slots[idx], steps[idx], [host_steps[i] for i in kind],
+                                        [params[i] for i in kind])
         self._last_token[slots] = new
         for slot, session, token in zip(rows, sessions, new.tolist(), strict=True):
             assert session is not None
