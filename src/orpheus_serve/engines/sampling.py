@@ -6,7 +6,9 @@ token id `v` of a session is a hash of (seed, step, v), turned into a Gumbel var
 token drawn is `argmax(filtered_logits / T + gumbel)` (the Gumbel-max trick, an exact draw from
 the softmax of the filtered logits). No generator state is shared or advanced, so a row's
 result depends only on that row: its logits, its seed and its step. All of it is torch integer
-and float ops on device, with no host sync, so it can sit inside a CUDA graph.
+and float ops on device; as configured for CUDA (no `fast_width`, positions not passed from the
+host) it has no host sync and no data-dependent shapes, so it could sit inside a CUDA graph.
+On a CPU two exact shortcuts apply instead (see `sample_candidates` and `constrained_logits`).
 
 Constrained decoding: the step of a session is also its audio position p (the prompt ends with
 start_of_speech, so the first generated token is audio position 0). Only the 4096 ids of slot
@@ -28,7 +30,6 @@ from orpheus_serve import protocol as P
 from orpheus_serve.engines.base import SamplingParams
 
 MASK32 = 0xFFFFFFFF
-CANDIDATES_PER_POSITION = P.CODEBOOK_SIZE + 1  # the slot's 4096 codes + end_of_speech
 
 
 def mix32(x: Tensor) -> Tensor:
