@@ -121,12 +121,36 @@ def test_a_row_draws_the_same_alone_and_in_a_batch() -> None:
         top_k=torch.tensor([0, 5, 0, 50] * 3), repetition_penalty=torch.tensor([1.1, 1.3] * 6),
         seed=torch.arange(B) * 1_000_003, step=torch.arange(B) * 5)
     together = sample_candidates(logits, ids, mix32(ids), allowed, seen, params)
+    partial = sample_candidates(logits, ids, mix32(ids), allowed, seen, params, fast_width=8)
+    assert torch.equal(partial, together)
     for b in range(B):
-        alone = SamplingBatch(*(getattr(params, f)[b : b + 1] for f in SamplingBatch.__slots__))
-        one = sample_candidates(logits[b : b + 1], ids[b : b + 1], mix32(ids[b : b + 1]), allowed[b : b + 1],
-                                seen[b : b + 1], alone)
+        rows = torch.tensor([b])
+        one = sample_candidates(logits[rows], ids[rows], mix32(ids[rows]), allowed[rows], seen[rows],
+                                params.select(rows), fast_width=8)
         assert one.item() == together[b].item()
         assert allowed[b][(ids[b] == together[b]).nonzero()].all()
+
+
+def test_partial_top_k_filtering_draws_what_the_full_sort_draws() -> None:
+    """fast_width: rows whose kept set fits in the top `fast_width` are filtered there, the rest
+    are sorted whole; every row draws what sorting every row draws."""
+    gen = torch.Generator().manual_seed(2)
+    B, C = 400, 4097
+    scale = torch.tensor([0.5, 3.0, 10.0, 40.0]).repeat(B // 4).unsqueeze(1)  # flat ... peaked rows
+    logits = torch.randn(B, C, generator=gen) * scale
+    ids = torch.arange(C).expand(B, C) + 128266
+    allowed = torch.ones(B, C, dtype=torch.bool)
+    allowed[::3, -1] = False
+    seen = torch.rand(B, C, generator=gen) > 0.95
+    params = SamplingBatch(
+        temperature=torch.tensor([0.6, 1.0, 0.0, 1.4, 0.8]).repeat(B // 5),
+        top_p=torch.tensor([0.8, 0.95, 1.0, 0.5, 0.99, 0.8, 1.0]).repeat(B // 7 + 1)[:B],
+        top_k=torch.tensor([0, 0, 5, 0, 50, 0, 100, 0, 16, 17, 0]).repeat(B // 11 + 1)[:B],
+        repetition_penalty=torch.full((B,), 1.1), seed=torch.arange(B) * 31 + 7, step=torch.arange(B) % 9)
+    full = sample_candidates(logits, ids, mix32(ids), allowed, seen, params)
+    fast = sample_candidates(logits, ids, mix32(ids), allowed, seen, params, fast_width=16)
+    assert torch.equal(full, fast)
+    assert len(set(full.tolist())) > 100  # really random draws, not all the argmax
 
 
 def test_constrained_sampling_keeps_each_position_in_its_slot() -> None:
@@ -171,6 +195,11 @@ def test_constrained_logits_equal_the_full_projection_at_the_candidates() -> Non
     ids, allowed = constrained_candidates(positions)
     full = hidden @ weight.T
     torch.testing.assert_close(constrained_logits(hidden, weight, positions), full.gather(1, ids))
+    by_position = constrained_logits(hidden, weight, positions, positions.tolist())
+    torch.testing.assert_close(by_position, full.gather(1, ids))
+    one_class = torch.full((9,), 15)  # every row at the same position class
+    torch.testing.assert_close(constrained_logits(hidden, weight, one_class, one_class.tolist()),
+                               full.gather(1, constrained_candidates(one_class)[0]))
     assert allowed[:, -1].tolist() == [(p % 7 == 0) for p in positions.tolist()]
     assert all(ids[i, 0].item() == P.slot_token_range(p)[0] for i, p in enumerate(positions.tolist()))
     assert (ids[:, -1] == P.END_OF_SPEECH).all()

@@ -110,8 +110,9 @@ def test_cancel_mid_stream_frees_the_slot(tiny_models: Path) -> None:
 def test_queue_bound_rejects_the_41st_at_once(tiny_models: Path) -> None:
     cfg = make_config(
         tiny_models,
-        **{"engine.backend": "sim", "engine.sim.realtime": False, "engine.sim.end_after_frames": 3,
-           "codec.decoder": "sim", "codec.sim.realtime": False,
+        # 50 ms modelled steps: nothing can finish while the 41 requests are being submitted
+        **{"engine.backend": "sim", "engine.sim.realtime": True, "engine.sim.step_base_ms": 50.0,
+           "engine.sim.end_after_frames": 3, "codec.decoder": "sim", "codec.sim.realtime": False,
            "scheduler.max_concurrent_sessions": 32, "scheduler.max_batch_size": 16, "scheduler.max_queue": 8},
     )
 

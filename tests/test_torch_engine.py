@@ -268,13 +268,15 @@ def test_sequence_past_max_seq_len_fails_only_its_slot(tiny_orpheus: Path) -> No
 
 
 def test_bad_plans_fail_their_slot_only(tiny_orpheus: Path) -> None:
-    engine = make_engine(tiny_orpheus, num_slots=4)
+    engine = make_engine(tiny_orpheus, num_slots=5)
     prompt = make_prompt(6, seed=1)
     out = engine.step(StepPlan(prefill=[PrefillChunk(0, "ok", prompt, 0, len(prompt), GREEDY),
                                         PrefillChunk(1, "gap", prompt, 3, len(prompt), GREEDY),
-                                        PrefillChunk(2, "bad-id", (1, P.VOCAB_SIZE + 5), 0, 2, GREEDY)],
+                                        PrefillChunk(2, "bad-id", (1, P.VOCAB_SIZE + 5), 0, 2, GREEDY),
+                                        PrefillChunk(4, "bad-p", prompt, 0, len(prompt), SamplingParams(top_p=0.0))],
                                decode=[3, 9]))
-    assert set(out.failed) == {1, 2, 3, 9} and set(out.tokens) == {0}
+    assert set(out.failed) == {1, 2, 3, 4, 9} and set(out.tokens) == {0}
+    assert "top_p" in out.failed[4] and "outside" in out.failed[9]
     out = engine.step(StepPlan(release=[0], decode=[0]))
     assert "without a prefilled session" in out.failed[0]
 

@@ -6,7 +6,9 @@ token id `v` of a session is a hash of (seed, step, v), turned into a Gumbel var
 token drawn is `argmax(filtered_logits / T + gumbel)` (the Gumbel-max trick, an exact draw from
 the softmax of the filtered logits). No generator state is shared or advanced, so a row's
 result depends only on that row: its logits, its seed and its step. All of it is torch integer
-and float ops on device, with no host sync, so it can sit inside a CUDA graph.
+and float ops on device; as configured for CUDA (no `fast_width`, positions not passed from the
+host) it has no host sync and no data-dependent shapes, so it could sit inside a CUDA graph.
+On a CPU two exact shortcuts apply instead (see `sample_candidates` and `constrained_logits`).
 
 Constrained decoding: the step of a session is also its audio position p (the prompt ends with
 start_of_speech, so the first generated token is audio position 0). Only the 4096 ids of slot
@@ -28,7 +30,6 @@ from orpheus_serve import protocol as P
 from orpheus_serve.engines.base import SamplingParams
 
 MASK32 = 0xFFFFFFFF
-CANDIDATES_PER_POSITION = P.CODEBOOK_SIZE + 1  # the slot's 4096 codes + end_of_speech
 
 
 def mix32(x: Tensor) -> Tensor:
@@ -63,19 +64,36 @@ def constrained_candidates(audio_positions: Tensor) -> tuple[Tensor, Tensor]:
     return ids, allowed
 
 
-def constrained_logits(hidden: Tensor, output_weight: Tensor, audio_positions: Tensor) -> Tensor:
+def constrained_logits(hidden: Tensor, output_weight: Tensor, audio_positions: Tensor,
+                       host_positions: list[int] | None = None) -> Tensor:
     """Logits of the candidates of `constrained_candidates`, without the full vocabulary projection.
 
     hidden [B, dim]; output_weight [vocab, dim]; audio_positions [B] -> fp32 [B, 4097].
-    One batched matmul against the 7 x 4096 audio rows (5.5x fewer than the vocabulary), each row
-    keeping the block of its own position, plus the end_of_speech row."""
+    Without host_positions: one batched matmul against the 7 x 4096 audio rows (5.5x fewer than
+    the vocabulary), each row keeping the block of its own position (one weight read: what a
+    memory-bound GPU wants). With the positions on the host: one matmul per position class
+    present, against its 4096 rows only (7x fewer FLOPs: what a compute-bound CPU wants).
+    Plus the end_of_speech row either way."""
     B = hidden.shape[0]
     audio = output_weight[P.AUDIO_TOKEN_BASE : P.AUDIO_VOCAB_END]  # [7 * 4096, dim], a contiguous view
-    blocks = (hidden @ audio.T).float().view(B, P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)  # [B, 7, 4096]
-    rows = torch.arange(B, device=hidden.device)
-    own = blocks[rows, audio_positions % P.TOKENS_PER_FRAME]  # [B, 4096]
     end = (hidden @ output_weight[P.END_OF_SPEECH]).float()  # [B]
-    return torch.cat([own, end.unsqueeze(1)], dim=1)
+    if host_positions is None:
+        blocks = (hidden @ audio.T).float().view(B, P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)  # [B, 7, 4096]
+        rows = torch.arange(B, device=hidden.device)
+        own = blocks[rows, audio_positions % P.TOKENS_PER_FRAME]  # [B, 4096]
+        return torch.cat([own, end.unsqueeze(1)], dim=1)
+    out = torch.empty(B, P.CODEBOOK_SIZE + 1, dtype=torch.float32, device=hidden.device)
+    out[:, -1] = end
+    phases = [p % P.TOKENS_PER_FRAME for p in host_positions]
+    classes = sorted(set(phases))
+    for phase in classes:
+        block = audio[phase * P.CODEBOOK_SIZE : (phase + 1) * P.CODEBOOK_SIZE]  # [4096, dim]
+        if len(classes) == 1:
+            out[:, :-1] = hidden @ block.T
+        else:
+            rows = torch.tensor([b for b, q in enumerate(phases) if q == phase], device=hidden.device)
+            out[rows, :-1] = (hidden[rows] @ block.T).float()
+    return out
 
 
 @dataclass(slots=True)
@@ -89,9 +107,46 @@ class SamplingBatch:
     seed: Tensor  # int64 >= 0
     step: Tensor  # int64: tokens this session has generated so far (= its audio position)
 
+    def select(self, rows: Tensor) -> SamplingBatch:
+        return SamplingBatch(*(getattr(self, name)[rows] for name in SamplingBatch.__slots__))
+
+
+def _filtered_draw(x: Tensor, token_ids: Tensor, token_hash: Tensor, params: SamplingBatch,
+                   width: int) -> tuple[Tensor, Tensor]:
+    """Top-k, top-p and the Gumbel draw over the `width` most likely candidates of each row.
+
+    x [B, C]: temperature-scaled logits (-inf where not allowed). Returns the drawn ids [B] and,
+    per row, whether those `width` candidates held the row's whole kept set, i.e. whether the
+    draw is exact (always, when width == C). Probabilities are normalised over the top-k set,
+    or over the whole row without top-k, whatever the width, so a row's draw is the same at
+    any width that holds it.
+    """
+    C = x.shape[1]
+    if width >= C:
+        vals, order = x.sort(dim=1, descending=True)  # [B, C]
+    else:
+        vals, order = x.topk(width, dim=1)  # [B, width], sorted descending
+    width = vals.shape[1]
+    rank = torch.arange(width, device=x.device)
+    top_k = params.top_k.unsqueeze(1)  # [B, 1]
+    vals = vals.masked_fill((top_k > 0) & (rank >= top_k), -torch.inf)
+    k_inside = (params.top_k > 0) & (params.top_k <= width)
+    log_norm = torch.where(k_inside, vals.logsumexp(dim=1), x.logsumexp(dim=1))  # [B]
+    probs = (vals - log_norm.unsqueeze(1)).exp()
+    mass = probs.cumsum(dim=1)
+    top_p = params.top_p.unsqueeze(1)
+    # The most likely token always stays (mass before it is 0 < top_p); top_p 1 is off, exactly.
+    vals = vals.masked_fill((mass - probs >= top_p) & (top_p < 1), -torch.inf)
+    held = k_inside | ((params.top_k == 0) & (params.top_p < 1) & (mass[:, -1] >= params.top_p))
+    token_ids, token_hash = token_ids.gather(1, order), token_hash.gather(1, order)
+    noisy = vals + gumbel_noise(params.seed, params.step, token_hash)
+    drawn = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    return drawn, held | (width >= C)
+
 
 def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, allowed: Tensor, seen: Tensor,
-                      params: SamplingBatch, *, any_random: bool = True, any_filter: bool = True) -> Tensor:
+                      params: SamplingBatch, *, any_random: bool = True, any_filter: bool = True,
+                      fast_width: int | None = None) -> Tensor:
     """Draw one token per row among candidates.
 
     logits [B, C] fp32: the candidates' logits; token_ids [B, C] int64: their ids, and token_hash
@@ -103,6 +158,10 @@ def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, all
     any_random / any_filter: False when the caller knows that no row samples (all greedy) or that
     no sampling row uses top-k or top-p; the work skipped then is a no-op for every row, so a
     row's token does not depend on them (nor on anything else in the batch).
+    fast_width: filter among each row's `fast_width` most likely candidates (a partial top-k,
+    much cheaper than sorting C on a CPU), and sort the whole row only for the rows whose kept
+    set reaches past them (one host sync). The draws are the same; None sorts every row
+    (no host sync, for devices where sorting is cheap).
     """
     C = logits.shape[1]
     penalty = params.repetition_penalty.unsqueeze(1)  # [B, 1]
@@ -115,18 +174,17 @@ def sample_candidates(logits: Tensor, token_ids: Tensor, token_hash: Tensor, all
     greedy = params.temperature <= 0
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     x = x / temperature.unsqueeze(1)
-    if any_filter:
-        x, order = x.sort(dim=1, descending=True)  # [B, C]
-        rank = torch.arange(C, device=logits.device)
-        top_k = torch.where(params.top_k > 0, params.top_k, C).unsqueeze(1)  # [B, 1]
-        x = x.masked_fill(rank >= top_k, -torch.inf)
-        probs = x.softmax(dim=1)
-        mass_before = probs.cumsum(dim=1) - probs  # the most likely token always stays (mass 0 < top_p)
-        top_p = params.top_p.unsqueeze(1)
-        x = x.masked_fill((mass_before >= top_p) & (top_p < 1), -torch.inf)  # top_p 1 is off, exactly
-        token_ids, token_hash = token_ids.gather(1, order), token_hash.gather(1, order)
-    noisy = x + gumbel_noise(params.seed, params.step, token_hash)
-    sampled_ids = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    if not any_filter:
+        noisy = x + gumbel_noise(params.seed, params.step, token_hash)
+        sampled_ids = token_ids.gather(1, noisy.argmax(dim=1, keepdim=True)).squeeze(1)  # [B]
+    else:
+        width = C if fast_width is None else min(fast_width, C)
+        sampled_ids, held = _filtered_draw(x, token_ids, token_hash, params, width)
+        if width < C:
+            rows = (~(held | greedy)).nonzero().squeeze(1)  # host sync: which rows need the full sort
+            if rows.numel():
+                sampled_ids[rows] = _filtered_draw(x[rows], token_ids[rows], token_hash[rows], params.select(rows),
+                                                   C)[0]
     return torch.where(greedy, greedy_ids, sampled_ids)
 
 
@@ -140,11 +198,13 @@ class SlotSamplingState:
     """Sampling state of every slot, on device: the session's parameters and seed, and a presence
     mask of the ids it has seen (prompt + generated) for the repetition penalty."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device, *,
+                 fast_width: int | None = None) -> None:
         if vocab_size < P.AUDIO_VOCAB_END:
             raise ValueError(f"vocabulary of {vocab_size} ids has no Orpheus audio tokens")
         self.vocab_size = vocab_size
         self.device = device
+        self.fast_width = fast_width  # see sample_candidates
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -191,7 +251,8 @@ class SlotSamplingState:
         token_hash = torch.cat([self.audio_hash[phase], self.token_hash[P.END_OF_SPEECH].expand(len(steps), 1)], 1)
         any_random, any_filter = needs_work(params) if params is not None else (True, True)
         tokens = sample_candidates(logits, token_ids, token_hash, allowed, seen,
-                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter,
+                                   fast_width=self.fast_width)
         self.mark_seen(slots, tokens)
         return tokens
 
@@ -203,6 +264,7 @@ class SlotSamplingState:
         allowed = torch.ones_like(logits, dtype=torch.bool)
         any_random, any_filter = needs_work(params) if params is not None else (True, True)
         tokens = sample_candidates(logits, token_ids, self.token_hash.expand(B, V), allowed, self.presence[slots],
-                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter)
+                                   self.batch(slots, steps), any_random=any_random, any_filter=any_filter,
+                                   fast_width=self.fast_width)
         self.mark_seen(slots, tokens)
         return tokens
