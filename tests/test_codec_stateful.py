@@ -232,6 +232,7 @@ def test_close_mid_utterance_leaves_other_sessions_intact(model) -> None:
 def test_protocol_and_edge_pushes(model) -> None:
     decoder = StatefulDecoder(model)
     assert isinstance(decoder, StreamingDecoder)
+    assert decoder.decode([]) == []
     assert decoder.sample_rate == 24000 and decoder.samples_per_frame == SPF
     frames = random_frames(4, seed=41)
     empty = np.zeros((0, 7), dtype=np.int64)
