@@ -232,6 +232,8 @@ class _Residual(_Op):
         y = x
         for op in self.inner:
             y = op.step(y, ctx)
+        if y is x:  # an inner chain of identities: the in-place adds below must not write into x
+            y = x.clone()
         if self.delay == 0:
             return y.add_(x)
         pending = ctx.states[self.state_index]  # [B, C, delay]
@@ -439,9 +441,8 @@ class StatefulDecoder:
                         frames = np.concatenate([frames, flush])
                 work.append(_Work(session, frames))
             self._run(work)
-            results = [
-                CodecResult(push.key, self._assemble(w), push.final) for push, w in zip(pushes, work, strict=True)
-            ]
+            audio = self._collect(work)
+            results = [CodecResult(push.key, pcm, push.final) for push, pcm in zip(pushes, audio, strict=True)]
         for push in pushes:
             if push.final:
                 self.close(push.key)
@@ -495,10 +496,12 @@ class StatefulDecoder:
         batch = len(group)
         rows = [w.session.row for w in group]
         frames = np.stack([w.frames[w.done : w.done + n_frames] for w in group])  # [B, n, 7]
-        c0, c1, c2 = (torch.from_numpy(c).to(self.device).view(batch, -1) for c in frames_to_snac_codes(frames))
+        # c0 [B, n] | c1 [B, 2n] | c2 [B, 4n], side by side: one host-to-device copy.
+        codes = np.concatenate([c.reshape(batch, -1) for c in frames_to_snac_codes(frames)], axis=1)
+        codebooks = torch.from_numpy(codes).to(self.device).split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
         latent = None
-        for table, codes, stride in zip(self._latent_tables, (c0, c1, c2), _ORPHEUS_VQ_STRIDES, strict=True):
-            part = F.embedding(codes, table).repeat_interleave(stride, dim=1)  # [B, n*4, D]
+        for table, codebook, stride in zip(self._latent_tables, codebooks, _ORPHEUS_VQ_STRIDES, strict=True):
+            part = F.embedding(codebook, table).repeat_interleave(stride, dim=1)  # [B, n*4, D]
             latent = part if latent is None else latent + part
         x = latent.transpose(1, 2)  # [B, D, n*4]
 
@@ -553,8 +556,11 @@ class StatefulDecoder:
             masks.append(((time < 0) | (time >= total * r))[:, None, :])  # [B, 1, T]
         return masks
 
-    def _assemble(self, w: _Work) -> np.ndarray:
-        if not w.pieces:
-            return np.zeros(0, dtype=np.float32)
-        audio = torch.cat([pcm[row, lo:hi] for pcm, row, lo, hi in w.pieces])
-        return audio.to(device="cpu", dtype=torch.float32).numpy()
+    def _collect(self, work: list[_Work]) -> list[np.ndarray]:
+        """Each push's audio as float32 numpy, with one device-to-host copy for the whole call."""
+        if not work:
+            return []
+        empty = torch.zeros(0, device=self.device, dtype=self.dtype)
+        per_push = [torch.cat([pcm[row, lo:hi] for pcm, row, lo, hi in w.pieces]) if w.pieces else empty for w in work]
+        flat = torch.cat(per_push).to(device="cpu", dtype=torch.float32).numpy()
+        return np.split(flat, np.cumsum([len(a) for a in per_push])[:-1])
