@@ -157,16 +157,16 @@ class WindowBatcher:
                 cost = best[i] + self._cost(target, count)
                 if cost < best[j]:  # strict: on a tie, pad less
                     best[j], cut[j] = cost, i
-        passes: list[Pass] = []
+        groups: list[tuple[int, int]] = []
         j = k
         while j > 0:
-            i = cut[j]
+            groups.append((cut[j], j))
+            j = cut[j]
+        passes: list[Pass] = []
+        for i, j in reversed(groups):
             members = [m for g in range(i, j) for m in by_length[lengths[g]]]
             per_pass = self._per_pass(lengths[i])
-            for s in range(0, len(members), per_pass):
-                passes.append(Pass(lengths[i], tuple(members[s : s + per_pass])))
-            j = i
-        passes.reverse()
+            passes += [Pass(lengths[i], tuple(members[s : s + per_pass])) for s in range(0, len(members), per_pass)]
         return passes
 
     def run(self, windows: Sequence[Window]) -> list[np.ndarray]:
