@@ -10,8 +10,9 @@ arrives at every session, the pushes that are due form one `decode()` call (what
 codec worker does), and the schemes take turns tick by tick so that all of them run
 under the same machine load. Reported per scheme and batch:
 
-- decoded/emitted: frames run through SNAC (context and padding included) per frame
-  of audio emitted, counted, not timed (windowed schemes);
+- cost/emitted: compute per frame emitted, in frames of a plain full-rate decode,
+  context and padding included, counted from the pass shapes, not timed (schemes
+  that decode through WindowBatcher);
 - CPU ms per emitted audio second (process CPU time inside decode(), robust to other
   load on a shared machine) and its ratio to the reference at the same batch;
 - SNR dB of the emitted audio against the one-shot decode of the same frames (noise
@@ -62,8 +63,8 @@ class ReferenceDecoder:
     lookahead_frames = 2  # frame k comes out when frame k + 2 arrives
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 64) -> None:
-        # No padding (every window has 4 frames); the same pass limits as the other schemes.
-        self.batcher = WindowBatcher(model, max_batch=max_batch)
+        # Whole 4-frame windows decoded (no cropping), batched with the same pass limits as the others.
+        self.batcher = WindowBatcher(model, max_batch=max_batch, crop=False)
         self._recent: dict[Hashable, np.ndarray] = {}  # last frames of each session, at most 4
 
     def close(self, key: Hashable) -> None:
@@ -116,10 +117,12 @@ def reference_scheme() -> Scheme:
                   emitted=lambda n: (REFERENCE_KEEP_FRAME, max(REFERENCE_KEEP_FRAME, n - 2)))
 
 
-def windowed_scheme(name: str, left: int, right: int, push_frames: int, max_batch: int) -> Scheme:
+def windowed_scheme(left: int, right: int, push_frames: int, max_batch: int, *, crop: bool = True,
+                    label: str = "windowed") -> Scheme:
     return Scheme(
-        name,
-        lambda model: WindowedDecoder(model, left_context_frames=left, lookahead_frames=right, max_batch=max_batch),
+        f"{label} L={left} R={right}{'' if crop else ' uncropped'}, push {push_frames}",
+        lambda model: WindowedDecoder(model, left_context_frames=left, lookahead_frames=right, max_batch=max_batch,
+                                      crop=crop),
         push_frames=push_frames,
         first_push_frames=1 + right,  # the scheduler's first flush: one frame plus the lookahead
         ttfa_tokens_added=right * TOKENS_PER_FRAME,
@@ -127,19 +130,15 @@ def windowed_scheme(name: str, left: int, right: int, push_frames: int, max_batc
 
 
 def schemes(args: argparse.Namespace) -> list[Scheme]:
+    """The rows of the comparison table. Append here to compare another decoder."""
     cfg = load_config(args.config)
-    left, right = cfg.codec.left_context_frames, cfg.codec.lookahead_frames
-    sched_push = cfg.scheduler.flush_every_n_tokens // TOKENS_PER_FRAME
+    left, right, max_batch = cfg.codec.left_context_frames, cfg.codec.lookahead_frames, cfg.codec.max_batch
+    push = args.push_frames or cfg.scheduler.flush_every_n_tokens // TOKENS_PER_FRAME
     out = [
         reference_scheme(),
-        windowed_scheme(f"windowed default L={left} R={right}, push {args.push_frames}", left, right,
-                        args.push_frames, cfg.codec.max_batch),
+        windowed_scheme(left, right, push, max_batch, label="windowed default"),
+        windowed_scheme(3, 3, push, max_batch),
     ]
-    if sched_push != args.push_frames:
-        out.append(windowed_scheme(f"windowed default L={left} R={right}, push {sched_push}", left, right,
-                                   sched_push, cfg.codec.max_batch))
-    out.append(windowed_scheme(f"windowed L=3 R=3, push {args.push_frames}", 3, 3, args.push_frames,
-                               cfg.codec.max_batch))
     try:
         from orpheus_serve.codec.stateful import StatefulDecoder
     except ModuleNotFoundError as exc:
@@ -147,9 +146,8 @@ def schemes(args: argparse.Namespace) -> list[Scheme]:
             raise
         print("(stateful decoder not in this tree: no row for it)", file=sys.stderr)
     else:
-        out.append(Scheme(f"stateful, push {args.push_frames}",
-                          lambda m: StatefulDecoder(m, max_batch=cfg.codec.max_batch),
-                          push_frames=args.push_frames, first_push_frames=1 + args.stateful_lookahead,
+        out.append(Scheme(f"stateful, push {push}", lambda m: StatefulDecoder(m, max_batch=max_batch),
+                          push_frames=push, first_push_frames=1 + args.stateful_lookahead,
                           ttfa_tokens_added=args.stateful_lookahead * TOKENS_PER_FRAME))
     return out
 
@@ -165,9 +163,9 @@ class Run:
     calls: int = 0
 
     @property
-    def frames_decoded(self) -> int | None:
+    def frame_cost(self) -> float | None:
         batcher = getattr(self.decoder, "batcher", None)
-        return batcher.frames_decoded if isinstance(batcher, WindowBatcher) else None
+        return batcher.frame_cost if isinstance(batcher, WindowBatcher) else None
 
 
 def snr_db(test: np.ndarray, ref: np.ndarray) -> float:
@@ -220,7 +218,7 @@ def measure(run: Run, utterances: Sequence[np.ndarray], offline: dict[int, np.nd
         if i in offline:
             snrs.append(snr_db(audio, offline[i][first * SAMPLES_PER_FRAME : end * SAMPLES_PER_FRAME]))
     audio_s = len(utterances) * emitted * SAMPLES_PER_FRAME / SAMPLE_RATE
-    decoded = run.frames_decoded
+    decoded = run.frame_cost
     return Row(
         scheme=run.scheme.name,
         batch=len(utterances),
@@ -245,7 +243,7 @@ def fmt_db(value: float) -> str:
 
 def print_table(rows: Sequence[Row]) -> None:
     reference = {r.batch: r for r in rows if r.scheme.startswith("reference")}
-    header = (f"{'scheme':<36} {'batch':>5} {'emitted':>8} {'decoded/':>8} {'CPU ms per':>11} {'ratio to':>9} "
+    header = (f"{'scheme':<36} {'batch':>5} {'emitted':>8} {'cost/':>8} {'CPU ms per':>11} {'ratio to':>9} "
               f"{'wall ms per':>11} {'SNR dB':>7} {'TTFA +':>7}")
     sub = f"{'':<36} {'':>5} {'frames':>8} {'emitted':>8} {'audio s':>11} {'reference':>9} {'audio s':>11} {'':>7} {'tokens':>7}"
     print(header)
@@ -280,7 +278,10 @@ def sweep(model: torch.nn.Module, args: argparse.Namespace) -> None:
     for left in args.sweep_left:
         for right in args.sweep_right:
             for push in args.sweep_push:
-                plan.append(windowed_scheme(f"windowed L={left} R={right}, push {push}", left, right, push, 64))
+                plan.append(windowed_scheme(left, right, push, 64))
+    cfg = load_config(args.config)
+    for push in args.sweep_push:  # what cropping saves, at the configured windows
+        plan.append(windowed_scheme(cfg.codec.left_context_frames, cfg.codec.lookahead_frames, push, 64, crop=False))
     rows = [measure(run, utterances, offline) for run in stream_all(model, plan, utterances)]
     print_table(rows)
 
@@ -300,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="config file for the project's defaults")
     ap.add_argument("--frames", type=int, default=12, help="frames per utterance (default 12)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="concurrent sessions (default 1 8 32)")
-    ap.add_argument("--push-frames", type=int, default=4, help="new frames per push for the windowed schemes (default 4)")
+    ap.add_argument("--push-frames", type=int, default=None,
+                    help="new frames per push after the first (default: scheduler.flush_every_n_tokens / 7)")
     ap.add_argument("--stateful-lookahead", type=int, default=3, help="frames the stateful decoder needs after a frame")
     ap.add_argument("--fidelity-sessions", type=int, default=2, help="sessions per batch checked against the one-shot decode")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")

@@ -199,7 +199,7 @@ def test_pass_planning_pads_only_where_it_pays(snac) -> None:
     windows = [_window(5), _window(6), _window(6), _window(3, at_end=True), _window(4, at_end=True, history=2)]
     compute_bound = WindowBatcher(snac, pass_overhead_frames=0.0, max_pass_frames=None)
     assert sorted((p.length, p.members) for p in compute_bound.plan(windows)) == [
-        (3, (3,)), (4, (4,)), (5, (0,)), (6, (1, 2))]
+        (3, (3,)), (4, (4,)), (5, (0,)), (6, (1, 2))]  # whole windows kept: padding never pays
     launch_bound = WindowBatcher(snac, pass_overhead_frames=100.0, max_pass_frames=None)
     plan = sorted((p.length, sorted(p.members)) for p in launch_bound.plan(windows))
     # All but the window that ends its utterance with no history to pad with share one pass.
@@ -208,6 +208,25 @@ def test_pass_planning_pads_only_where_it_pays(snac) -> None:
     assert [len(p.members) for p in capped.plan([_window(6)] * 5)] == [2, 2, 1]
     assert [len(p.members) for p in WindowBatcher(snac, max_batch=2, max_pass_frames=None).plan([_window(6)] * 3)] \
         == [2, 1]
+
+
+def test_cropped_decode_equals_whole_window_decode(snac) -> None:
+    """Computing only the kept frames (+ receptive field) gives the samples the whole window gives."""
+    windows = [
+        Window(random_frames(8, seed=70), 2, 4, np.zeros((0, 7), np.int64), at_end=False),
+        Window(random_frames(8, seed=71), 3, 6, np.zeros((0, 7), np.int64), at_end=False),  # keeps more
+        Window(random_frames(8, seed=72), 0, 1, np.zeros((0, 7), np.int64), at_end=False),  # crop clamps at 0
+        Window(random_frames(8, seed=73), 6, 8, np.zeros((0, 7), np.int64), at_end=True),  # and at the end
+    ]
+    cropped = WindowBatcher(snac, pass_overhead_frames=1e6)  # all four in one pass, rows cropped differently
+    whole = WindowBatcher(snac, crop=False, pass_overhead_frames=1e6)
+    got, expected = cropped.run(windows), whole.run(windows)
+    assert cropped.passes_run == whole.passes_run == 1
+    for g, e, w in zip(got, expected, windows, strict=True):
+        assert g.shape == e.shape == ((w.keep_end - w.keep_start) * P.SAMPLES_PER_FRAME,)
+        assert snr_db(g, e) >= 100
+    # The cropped pass computed a fraction of the whole windows (3 of the 4 keep little).
+    assert cropped.frame_cost < 0.7 * whole.frame_cost
 
 
 def test_padded_passes_keep_fidelity(snac) -> None:

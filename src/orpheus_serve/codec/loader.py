@@ -155,6 +155,10 @@ def load_snac(
             model.decoder = torch.compile(model.decoder, dynamic=True)
         else:
             log.warning("codec.compile applies to CUDA only; decoding uncompiled on %s", device)
+    if device.startswith("cuda"):
+        # The weights were copied on the default stream; the codec worker decodes on a stream of
+        # its own, which does not wait for the default one.
+        torch.cuda.synchronize(device)
     return model
 
 

@@ -194,7 +194,8 @@ class CodecWorker:
     def _stream_context(self) -> contextlib.AbstractContextManager:
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        torch.cuda.set_device(self.device)
+        if self.device.index is not None:
+            torch.cuda.set_device(self.device)
         return torch.cuda.stream(torch.cuda.Stream(self.device))
 
     def _run(self) -> None:
