@@ -57,7 +57,7 @@ class SchedulerConfig(_Strict):
 class CodecConfig(_Strict):
     path: str = "models/snac_24khz"
     decoder: Literal["stateful", "windowed"] = "stateful"
-    left_context_frames: int = Field(2, ge=0, le=16)
+    left_context_frames: int = Field(3, ge=0, le=16)
     lookahead_frames: int = Field(2, ge=0, le=16)
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")

@@ -4,8 +4,8 @@ A windowed decoder keeps the middle of each window; the context frames on
 either side are there only because the kept samples depend on them. SNAC's
 decoder is a chain of layers whose rate grows from 4 latent steps per frame to
 2048 samples per frame, and its cost grows with the rate: the first two
-latent convs are ~1% of it, the four upsampling blocks ~18%, ~19%, ~32% and
-~30% (see `LayerPlan.macs_per_frame`). A kept sample at the output depends on
+latent convs are ~1% of it, the four upsampling blocks ~16%, ~33%, ~33% and
+~17% (multiply-adds per frame, `LayerPlan.macs_per_frame`). A kept sample at the output depends on
 a bounded span of each layer's input, and that span shrinks, in frames, the
 later the layer. So before each top-level layer the activations are cropped,
 per window, to the kept range plus the receptive field of the layers still to
@@ -18,8 +18,8 @@ reach past the window, it stops at the window's edge, which is exactly where
 the full decode pads too.
 
 The effect: context frames cost almost nothing past the first layers, a
-window [L | n | R] costs about n + 1.5 frames of full-rate compute instead of
-L + n + R, and longer context is nearly free (docs/CODEC.md has the numbers).
+window [L | n | R] with L, R >= 2 costs about n + 0.8 frames of full-rate
+compute instead of L + n + R, and longer context is nearly free (docs/CODEC.md has the numbers).
 
 Receptive fields and costs are derived from the loaded modules (conv kernels,
 dilations, paddings, strides); an unknown layer type raises rather than being

@@ -8,30 +8,33 @@ each side (DESIGN §4). A windowed decoder therefore holds a frame back until
 
     [ L left-context frames | the new frames | R lookahead frames ]
 
-and keeps exactly the new frames' samples (2048 per frame). The context
-frames are decoded again in the neighbouring windows; that recomputation,
-(L + n + R) / n frames decoded per frame emitted for pushes of n frames, is
-the price of the method, and L and R set its fidelity against the one-shot
-decode (docs/CODEC.md has the measured table). At the utterance start there
-is no left context and at its end no lookahead: the one-shot decode is
-zero-padded at both edges exactly as a window is, so the edges are exact.
-The final push emits every remaining frame. Each frame is emitted once, in
-order; total samples = 2048 × frames.
+and keeps exactly the new frames' samples (2048 per frame). L and R set the
+fidelity against the one-shot decode (docs/CODEC.md has the measured table).
+The context frames are decoded again by the neighbouring windows, but only as
+far as the kept samples need them: each pass crops its activations, layer by
+layer, to the kept range plus the receptive field still ahead
+(codec.cropped), so a window costs about n + 0.8 frames of full-rate compute
+for n new frames instead of L + n + R (L, R >= 2), and the kept samples are those of the
+whole-window decode. At the utterance start there is no left context and at
+its end no lookahead: the one-shot decode is zero-padded at both edges
+exactly as a window is, so the edges are exact. The final push emits every
+remaining frame. Each frame is emitted once, in order; total samples =
+2048 × frames.
 
 Batching (`WindowBatcher`). One `decode()` call receives every session's push
 that is ready; each push yields at most one window. Windows are grouped by
-length, and each group is one forward pass of shape [B, frames, 7]. Windows
-of different lengths are padded into one pass only where it pays: a pass
-costs a fixed overhead (kernel launches, Python) plus its frames, and the
-grouping minimising that cost is found by a small dynamic programme over the
-distinct lengths. On CPU the overhead is about one frame's compute, so
-padding rarely wins; on CUDA launches dominate and most windows share a pass.
-Padding first extends the left context with real earlier frames (which only
-makes the window more exact); only what remains is padded on the right,
-behind the lookahead that already shields the kept frames, and never past
-the true end of an utterance. Passes are also capped at `max_batch` windows
-and, on CPU, at `max_pass_frames` frames, past which SNAC's activations fall
-out of cache and each frame costs more.
+shape (length, frames kept), and each group is one forward pass of
+[B, frames, 7]. Windows of different shapes share a pass only where it pays:
+a pass costs a fixed overhead (kernel launches, Python) plus its windows'
+compute, and the grouping minimising that cost is found by a small dynamic
+programme over the distinct shapes. On CPU the overhead is about one frame's
+compute, so merging rarely wins; on CUDA launches dominate and most windows
+share a pass. Padding a window to a longer one first extends its left context
+with real earlier frames (which only makes it more exact); only what remains
+is padded on the right, behind the lookahead that already shields the kept
+frames, and never past the true end of an utterance. Passes are also capped
+at `max_batch` windows and, on CPU, at `max_pass_frames` frames of compute,
+past which SNAC's activations fall out of cache and each frame costs more.
 
 `decode()` is all-or-nothing: sessions advance only after every pass of the
 call succeeded, so after an exception no session has lost or skipped a frame.
@@ -60,7 +63,7 @@ HISTORY_FRAMES = 16
 # measured (a 1-frame pass costs ~2 frames); the CUDA value is an estimate of launch overhead.
 CPU_PASS_OVERHEAD_FRAMES = 1.0
 CUDA_PASS_OVERHEAD_FRAMES = 32.0
-# On CPU, passes above ~48 frames (B x window) cost more per frame (activations leave cache).
+# On CPU, passes above ~48 frames of compute cost more per frame (activations leave cache).
 CPU_MAX_PASS_FRAMES = 48
 
 _EMPTY_PCM = np.zeros(0, dtype=np.float32)
