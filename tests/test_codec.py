@@ -399,3 +399,27 @@ def test_decode_cli_round_trip(tmp_path: Path, tiny_snac: Path, snac) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([P.END_OF_TEXT]))
     assert main([*common, "--out", str(tmp_path / "x.wav"), "--offline", "--tokens", str(bad)]) == 1
+
+
+# ------------------------------------------------------------------ CUDA (skipped without a GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "min_db"), [("fp32", 40.0), ("fp16", 25.0)])
+def test_worker_on_cuda_matches_cpu_offline(tiny_snac: Path, snac, dtype: str, min_db: float) -> None:
+    """The worker's own stream, pinned staging and async copies give the CPU one-shot audio
+    (within TF32 / FP16 rounding)."""
+    model = load_snac(tiny_snac, device="cuda", dtype=dtype, noise=False)
+    utterances = {f"s{i}": random_frames(7, seed=80 + i) for i in range(3)}
+    collector = Collector(expected=len(utterances))
+    worker = CodecWorker(WindowedDecoder(model, left_context_frames=3, lookahead_frames=2), collector, device="cuda")
+    worker.start()
+    for start in range(0, 7, 2):
+        for key, frames in utterances.items():
+            worker.submit(CodecPush(key, frames[start : start + 2], final=start + 2 >= 7))
+    assert collector.done.wait(timeout=120)
+    assert worker.stop(timeout_s=30)
+    for key, frames in utterances.items():
+        audio = np.concatenate([r.pcm for r in collector.results[key]])
+        assert audio.dtype == np.float32 and audio.shape == (7 * P.SAMPLES_PER_FRAME,)
+        assert snr_db(audio, decode_offline(snac, frames)) >= min_db
