@@ -70,14 +70,9 @@ def _reach(module: torch.nn.Module, margin_out: int) -> int:
         for child in reversed(module):
             margin_out = _reach(child, margin_out)
         return margin_out
-    if isinstance(module, _POINTWISE) or _is_noise(module):
+    if isinstance(module, (*_POINTWISE, NoiseBlock)):  # noise: x + randn * (1x1 conv of x), on or off
         return margin_out
     raise ValueError(f"cannot derive the receptive field of {type(module).__name__}")
-
-
-def _is_noise(module: torch.nn.Module) -> bool:
-    # NoiseBlock or its seeded copy: x + noise * (1x1 conv of x), pointwise in time.
-    return isinstance(module, NoiseBlock) or type(module).__name__ == "SeededNoiseBlock"
 
 
 def _upsampling(module: torch.nn.Module) -> int:

@@ -171,7 +171,7 @@ class CodecWorker:
                 "batches": c.batches,
                 "pushes": c.pushes,
                 "coalesced_pushes": c.coalesced_pushes,
-                "frames": c.frames,
+                "frames_decoded": c.frames,
                 "decode_s": c.decode_s,
                 "errors": c.errors,
                 "dropped_pushes": c.dropped_pushes,
