@@ -67,7 +67,7 @@ class CodecConfig(_Strict):
     # reference: the reference implementation's 4-frame window per frame (baseline mode);
     # sim: no SNAC, exact-length tone with a modelled GPU cost (capacity simulation only)
     decoder: Literal["stateful", "windowed", "reference", "sim"] = "stateful"
-    left_context_frames: int = Field(2, ge=0, le=16)
+    left_context_frames: int = Field(3, ge=0, le=16)
     lookahead_frames: int = Field(2, ge=0, le=16)
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")

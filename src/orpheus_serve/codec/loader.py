@@ -8,8 +8,8 @@
   once (identical output, ~8% less decode time: the parametrization would
   otherwise recompute each conv's weight on every call, DESIGN §4);
 - FP16 on CUDA and FP32 on CPU unless a dtype is given;
-- SNAC's noise injection either removed (`noise=False`: every `NoiseBlock`
-  becomes an identity, so decoding is a pure function of the codes) or driven
+- SNAC's noise injection either switched off (`noise=False`: every `NoiseBlock`
+  returns its input, so decoding is a pure function of the codes) or driven
   by a generator of its own (`seed=...`: reproducible from run to run);
 - optionally the decoder wrapped in `torch.compile` (CUDA only).
 
@@ -46,14 +46,26 @@ _C1_SLOTS = (1, 4)
 _C2_SLOTS = (2, 3, 5, 6)
 
 
-class SeededNoiseBlock(torch.nn.Module):
-    """SNAC's NoiseBlock with its own random generator, so noisy decodes repeat run to run.
+class DisabledNoiseBlock(NoiseBlock):
+    """SNAC's NoiseBlock switched off: returns its input. Keeps `linear`, so the module tree and
+    state dict are those of the original and code that walks the decoder still finds a NoiseBlock."""
+
+    def __init__(self, linear: torch.nn.Module) -> None:
+        torch.nn.Module.__init__(self)  # not NoiseBlock.__init__: reuse the loaded projection
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, T]
+        return x
+
+
+class SeededNoiseBlock(NoiseBlock):
+    """SNAC's NoiseBlock drawing from a generator of its own, so noisy decodes repeat run to run.
 
     Same computation as `snac.layers.NoiseBlock`: x + randn[B, 1, T] * linear(x).
     """
 
     def __init__(self, linear: torch.nn.Module, generator: torch.Generator) -> None:
-        super().__init__()
+        torch.nn.Module.__init__(self)
         self.linear = linear
         self.generator = generator
 
@@ -92,11 +104,12 @@ def fold_weight_norm(model: torch.nn.Module) -> int:
 
 
 def replace_noise(module: torch.nn.Module, generator: torch.Generator | None) -> int:
-    """Swap every NoiseBlock for an identity (generator None) or a seeded copy; returns how many."""
+    """Switch every NoiseBlock off (generator None) or to a seeded copy; returns how many."""
     replaced = 0
     for name, child in module.named_children():
         if isinstance(child, NoiseBlock):
-            setattr(module, name, torch.nn.Identity() if generator is None else SeededNoiseBlock(child.linear, generator))
+            new = DisabledNoiseBlock(child.linear) if generator is None else SeededNoiseBlock(child.linear, generator)
+            setattr(module, name, new)
             replaced += 1
         else:
             replaced += replace_noise(child, generator)
@@ -151,10 +164,17 @@ def load_snac(
     model.to(device=device, dtype=TORCH_DTYPES[dtype])
     if compile:
         if device.startswith("cuda"):
-            # Shapes vary with batch size and window length; dynamic avoids one compile per shape.
-            model.decoder = torch.compile(model.decoder, dynamic=True)
+            # Layer by layer, so that decoders which run the layers themselves (cropped windows)
+            # get the compiled code too; shapes vary with batch and window, hence dynamic.
+            layers = model.decoder.model
+            for index, layer in enumerate(layers):
+                layers[index] = torch.compile(layer, dynamic=True)
         else:
             log.warning("codec.compile applies to CUDA only; decoding uncompiled on %s", device)
+    if device.startswith("cuda"):
+        # The weights were copied on the default stream; the codec worker decodes on a stream of
+        # its own, which does not wait for the default one.
+        torch.cuda.synchronize(device)
     return model
 
 

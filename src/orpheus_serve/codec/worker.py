@@ -171,7 +171,7 @@ class CodecWorker:
                 "batches": c.batches,
                 "pushes": c.pushes,
                 "coalesced_pushes": c.coalesced_pushes,
-                "frames": c.frames,
+                "frames_decoded": c.frames,
                 "decode_s": c.decode_s,
                 "errors": c.errors,
                 "dropped_pushes": c.dropped_pushes,
@@ -194,7 +194,8 @@ class CodecWorker:
     def _stream_context(self) -> contextlib.AbstractContextManager:
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        torch.cuda.set_device(self.device)
+        if self.device.index is not None:
+            torch.cuda.set_device(self.device)
         return torch.cuda.stream(torch.cuda.Stream(self.device))
 
     def _run(self) -> None:
