@@ -171,3 +171,17 @@ def test_synthesize_cli_writes_chunked_wav_without_gaps(tiny_models: Path, tmp_p
     # no gap, no overlap: the WAV is exactly every chunk's frames back to back
     assert len(samples) == total_frames * protocol.SAMPLES_PER_FRAME
 
+
+
+def test_first_flush_comes_as_soon_as_the_stateful_decoder_can_return_audio(tiny_snac: Path) -> None:
+    from orpheus_serve.codec import load_snac
+    from orpheus_serve.codec.stateful import StatefulDecoder
+    from orpheus_serve.scheduler import FlushPolicy
+    from orpheus_serve.service import audible_lookahead
+
+    decoder = StatefulDecoder(load_snac(str(tiny_snac), noise=False))
+    lookahead = audible_lookahead(decoder)
+    policy = FlushPolicy.from_config(load_config(env={}).scheduler, lookahead)
+    # 3 frames = 21 tokens: no later than the windowed default (1 frame + 2 of lookahead)
+    assert policy.first_frames * 7 == 21
+    assert policy.first_frames * protocol.SAMPLES_PER_FRAME > decoder.lookahead_samples

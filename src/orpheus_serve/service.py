@@ -93,6 +93,19 @@ class _SessionChannel:
         self.queue: asyncio.Queue[bytes | _Done] = asyncio.Queue()
 
 
+def audible_lookahead(decoder: StreamingDecoder) -> int:
+    """Frames that must follow the first frame before the decoder returns any audio.
+
+    A windowed decoder emits whole frames: its lookahead. The stateful decoder
+    returns every sample that is final, so audio starts once the frames pushed
+    cover its lookahead in samples (4757 for snac_24khz: after 3 frames, 21
+    tokens, not 4). The scheduler's first flush waits for this many frames."""
+    samples = getattr(decoder, "lookahead_samples", None)
+    if samples is None:
+        return decoder.lookahead_frames
+    return samples // protocol.SAMPLES_PER_FRAME
+
+
 def pcm16(samples: np.ndarray) -> bytes:
     """float32 [-1, 1] -> 16-bit little-endian PCM."""
     return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
@@ -117,7 +130,7 @@ class TTSService:
         self._engine = engine
         self._decoder = decoder
         self._tokenizer = tokenizer
-        self._scheduler = Scheduler(config.scheduler, engine.num_slots, lookahead_frames=decoder.lookahead_frames,
+        self._scheduler = Scheduler(config.scheduler, engine.num_slots, lookahead_frames=audible_lookahead(decoder),
                                     max_seq_len=engine.max_seq_len)
         self._codec = CodecWorker(decoder, self._on_codec_result, max_batch=config.codec.max_batch, device=codec_device)
         # session id -> (prompt ids, frames so far, finish reason); only for tooling (--tokens-out)
