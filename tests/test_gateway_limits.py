@@ -254,3 +254,20 @@ def test_production_server_serves_and_stops_on_sigterm(tiny_orpheus: Path) -> No
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_production_server_with_tensorrt_here_exits_at_once_naming_what_is_missing() -> None:
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(root / "production_server.py"), "--set", "engine.backend=tensorrt",
+                           "--port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root / "src")})
+    assert proc.returncode != 0
+    assert "TensorRT-LLM" in proc.stderr and ("CUDA" in proc.stderr or "GPU" in proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 60

@@ -164,10 +164,11 @@ class TTSService:
         from .codec import build_decoder, load_snac
         from .codec.sim import SimDecoder
         from .config import apply_engine_mode, resolve_device, resolve_dtype
-        from .engines.factory import create_engine
+        from .engines.factory import check_backend, create_engine
         from .models import resolve_model_paths
 
         config = apply_engine_mode(config)
+        check_backend(config)
         paths = resolve_model_paths(config)
         if paths.warning:
             log.warning("!" * 72)

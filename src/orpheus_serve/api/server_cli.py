@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..engines.base import EngineError
     from .server import run_server
 
-    return run_server(config)
+    try:
+        return run_server(config)
+    except EngineError as exc:  # a backend that cannot start here (no GPU, no TensorRT-LLM, bad checkpoint)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -33,3 +33,11 @@ def create_engine(config: Config) -> TokenEngine:
 
         return SimEngine.from_config(config)
     raise EngineError(f"unknown engine.backend {backend!r}; expected torch, tensorrt or sim")
+
+
+def check_backend(config: Config) -> None:
+    """Fail fast, before any model is loaded, when the selected backend cannot run on this machine."""
+    if config.engine.backend == "tensorrt":
+        from .trtllm_env import check_tensorrt_available
+
+        check_tensorrt_available()
