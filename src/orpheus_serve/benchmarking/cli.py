@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, max_chars: int) -> None:
         self.args = args
+        self.max_chars = max_chars
         self.out_dir = args.output.parent
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._launches = 0
@@ -71,7 +72,8 @@ class Bench:
     def spec(self, concurrency: int, **kw: Any) -> LoadSpec:
         requests = self.args.requests or max(4, 2 * concurrency)
         return LoadSpec(requests=requests, concurrency=concurrency, protocol=kw.pop("protocol", self.args.protocol),
-                        seed=self.args.seed, max_tokens=self.args.max_tokens or None, **kw)
+                        seed=self.args.seed, max_tokens=self.args.max_tokens or None, max_chars=self.max_chars,
+                        **kw)
 
     @contextlib.contextmanager
     def server(self, label: str, extra: list[str] | None = None) -> Iterator[Target]:
@@ -151,7 +153,7 @@ class Bench:
         with self.server("sim", sim_overrides(cost, slots=max(streams, bound), frames=frames)) as target:
             for c in levels:
                 spec = LoadSpec(requests=2 * c, concurrency=c, protocol=self.args.protocol, seed=self.args.seed,
-                                max_tokens=frames * 7 + 7)
+                                max_tokens=frames * 7 + 7, max_chars=self.max_chars, ramp_s=seconds)
                 rows.append(self.run_level(target, spec, "sim"))
         held = best_realtime_level(rows, 150.0)
         print(f"\nsim: analytic bound {bound} real-time streams; held {held} "
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = load_config(args.config, overrides=args.set)
     ttfb_target = args.ttfb_target_ms or config.active_profile.target_ttfb_ms
-    bench = Bench(args)
+    bench = Bench(args, config.active_profile.max_text_chars)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args) | {"output": str(args.output)},
                                "environment": environment(), "ttfb_target_ms": ttfb_target}
     modes = {"single", "scaling", "tuning", "sim"} if args.mode == "all" else {args.mode}

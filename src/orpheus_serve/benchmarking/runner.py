@@ -60,6 +60,8 @@ class LoadSpec:
     max_tokens: int | None = None
     voice_mix: tuple[str, ...] = ("tara", "leah", "leo", "zoe")
     text_mix: tuple[float, float, float] = (0.6, 0.3, 0.1)
+    max_chars: int | None = None  # the server profile's max_text_chars
+    ramp_s: float = 0.0  # the first `concurrency` requests start spread evenly over this time
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -68,7 +70,8 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
     """Closed loop: `spec.requests` requests, at most `spec.concurrency` in flight. Returns (results, wall_s)."""
     from ..api.client import synthesize
 
-    workload = make_workload(spec.requests, seed=spec.seed, mix=spec.text_mix, voices=spec.voice_mix)
+    workload = make_workload(spec.requests, seed=spec.seed, mix=spec.text_mix, voices=spec.voice_mix,
+                             max_chars=spec.max_chars)
     protocols = itertools.cycle(PROTOCOLS) if spec.protocol == "mixed" else itertools.repeat(spec.protocol)
     jobs = list(zip(workload.texts, workload.voices, protocols, strict=False))
     sampling = {"max_tokens": spec.max_tokens, **spec.extra}
@@ -77,7 +80,9 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
 
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
 
-        async def one(text: str, voice: str, protocol: str) -> Any:
+        async def one(index: int, text: str, voice: str, protocol: str) -> Any:
+            if spec.ramp_s and index < spec.concurrency:
+                await asyncio.sleep(spec.ramp_s * index / spec.concurrency)  # arrival schedule
             async with semaphore:
                 kwargs: dict[str, Any] = {"voice": voice, "fmt": "pcm", **sampling}
                 if protocol == "rest":
@@ -88,7 +93,7 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
             return result
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(*job) for job in jobs))
+        results = await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
         wall = time.perf_counter() - t0
     return list(results), wall
 

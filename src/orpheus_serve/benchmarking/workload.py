@@ -38,15 +38,14 @@ class Workload:
 
 def make_workload(n: int, *, seed: int = 0, mix: tuple[float, float, float] = (0.6, 0.3, 0.1),
                   max_chars: int | None = None, voices: tuple[str, ...] = ("tara", "leah", "leo", "zoe")) -> Workload:
-    """n texts drawn from the short/medium/long sets with the given mix, reproducibly."""
+    """n texts drawn from the short/medium/long sets with the given mix, reproducibly; texts longer
+    than `max_chars` (the server profile's limit) are left out of their pool."""
     rng = random.Random(seed)
-    pools = [SHORT, MEDIUM, LONG]
+    pools = [[t for t in pool if max_chars is None or len(t) <= max_chars] for pool in (SHORT, MEDIUM, LONG)]
+    weights = [w if pool else 0.0 for w, pool in zip(mix, pools, strict=True)]
     texts, chosen_voices = [], []
     for _ in range(n):
-        pool = rng.choices(pools, weights=mix)[0]
-        text = rng.choice(pool)
-        if max_chars is not None:
-            text = text[:max_chars]
-        texts.append(text)
+        pool = rng.choices(pools, weights=weights)[0]
+        texts.append(rng.choice(pool))
         chosen_voices.append(rng.choice(voices))
     return Workload(tuple(texts), tuple(chosen_voices))

@@ -124,6 +124,7 @@ class SimEngine:
     def step(self, plan: StepPlan) -> StepOutput:
         if self._closed:
             raise EngineError("sim engine is closed")
+        started = time.perf_counter()
         out = StepOutput()
         for slot in plan.release:
             self._check_slot(slot)
@@ -165,8 +166,10 @@ class SimEngine:
         self.steps += 1
         self.busy_s += out.elapsed_s
         if self.cost.realtime:
-            if out.elapsed_s > 0:
-                time.sleep(out.elapsed_s)
+            # The modelled GPU time includes producing the tokens: sleep only for what is left of it.
+            remaining = out.elapsed_s - (time.perf_counter() - started)
+            if remaining > 0:
+                time.sleep(remaining)
         elif self._clock_advance is not None:
             self._clock_advance(out.elapsed_s)
         return out
