@@ -46,52 +46,17 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from orpheus_serve.codec.base import CodecPush, CodecResult, StreamingDecoder
-from orpheus_serve.codec.loader import check_frames, decode_offline, load_snac
-from orpheus_serve.codec.windowed import Window, WindowBatcher, WindowedDecoder
+from orpheus_serve.codec.base import CodecPush, StreamingDecoder
+from orpheus_serve.codec.loader import decode_offline, load_snac
+from orpheus_serve.codec.reference import ReferenceWindowDecoder
+from orpheus_serve.codec.stateful import StatefulDecoder
+from orpheus_serve.codec.windowed import WindowBatcher, WindowedDecoder
 from orpheus_serve.config import load_config
 from orpheus_serve.protocol import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from orpheus_serve.service import audible_lookahead
 
 REFERENCE_WINDOW_FRAMES = 4  # 28 tokens
 REFERENCE_KEEP_FRAME = 1  # samples 2048:4096
-
-
-class ReferenceDecoder:
-    """The original Orpheus streaming decode, as a StreamingDecoder (see module doc)."""
-
-    sample_rate = SAMPLE_RATE
-    lookahead_frames = 2  # frame k comes out when frame k + 2 arrives
-
-    def __init__(self, model: torch.nn.Module, *, max_batch: int = 64) -> None:
-        # Whole 4-frame windows decoded (no cropping), batched with the same pass limits as the others.
-        self.batcher = WindowBatcher(model, max_batch=max_batch, crop=False)
-        self._recent: dict[Hashable, np.ndarray] = {}  # last frames of each session, at most 4
-
-    def close(self, key: Hashable) -> None:
-        self._recent.pop(key, None)
-
-    def decode(self, pushes: Sequence[CodecPush]) -> list[CodecResult]:
-        windows: list[Window] = []
-        owners: list[int] = []
-        for index, push in enumerate(pushes):
-            frames = self._recent.get(push.key, np.zeros((0, TOKENS_PER_FRAME), np.int64))
-            for frame in check_frames(push.frames):  # one window per token count that is a multiple of 7, >= 28
-                frames = np.concatenate([frames, frame[None]])[-REFERENCE_WINDOW_FRAMES:]
-                if frames.shape[0] == REFERENCE_WINDOW_FRAMES:
-                    windows.append(Window(frames, REFERENCE_KEEP_FRAME, REFERENCE_KEEP_FRAME + 1,
-                                          np.zeros((0, TOKENS_PER_FRAME), np.int64), at_end=True))
-                    owners.append(index)
-            self._recent[push.key] = frames
-            if push.final:  # the reference simply stops: the last two frames are never emitted
-                self._recent.pop(push.key)
-        pcm = self.batcher.run(windows)
-        out: list[list[np.ndarray]] = [[] for _ in pushes]
-        for owner, piece in zip(owners, pcm, strict=True):
-            out[owner].append(piece)
-        return [
-            CodecResult(p.key, np.concatenate(o) if o else np.zeros(0, np.float32), p.final)
-            for p, o in zip(pushes, out, strict=True)
-        ]
 
 
 @dataclass(frozen=True)
@@ -112,7 +77,7 @@ class Scheme:
 
 
 def reference_scheme() -> Scheme:
-    return Scheme("reference 28-token window", ReferenceDecoder, push_frames=1, first_push_frames=1,
+    return Scheme("reference 28-token window", ReferenceWindowDecoder, push_frames=1, first_push_frames=1,
                   ttfa_tokens_added=(REFERENCE_WINDOW_FRAMES - 1) * TOKENS_PER_FRAME,
                   emitted=lambda n: (REFERENCE_KEEP_FRAME, max(REFERENCE_KEEP_FRAME, n - 2)))
 
@@ -129,7 +94,7 @@ def windowed_scheme(left: int, right: int, push_frames: int, max_batch: int, *, 
     )
 
 
-def schemes(args: argparse.Namespace) -> list[Scheme]:
+def schemes(args: argparse.Namespace, model: torch.nn.Module) -> list[Scheme]:
     """The rows of the comparison table. Append here to compare another decoder."""
     cfg = load_config(args.config)
     left, right, max_batch = cfg.codec.left_context_frames, cfg.codec.lookahead_frames, cfg.codec.max_batch
@@ -139,16 +104,10 @@ def schemes(args: argparse.Namespace) -> list[Scheme]:
         windowed_scheme(left, right, push, max_batch, label="windowed default"),
         windowed_scheme(3, 3, push, max_batch),
     ]
-    try:
-        from orpheus_serve.codec.stateful import StatefulDecoder
-    except ModuleNotFoundError as exc:
-        if exc.name != "orpheus_serve.codec.stateful":
-            raise
-        print("(stateful decoder not in this tree: no row for it)", file=sys.stderr)
-    else:
-        out.append(Scheme(f"stateful, push {push}", lambda m: StatefulDecoder(m, max_batch=max_batch),
-                          push_frames=push, first_push_frames=1 + args.stateful_lookahead,
-                          ttfa_tokens_added=args.stateful_lookahead * TOKENS_PER_FRAME))
+    lookahead = audible_lookahead(StatefulDecoder(model))  # what the service's first flush waits for
+    out.append(Scheme(f"stateful, push {push}", lambda m: StatefulDecoder(m, max_batch=max_batch),
+                      push_frames=push, first_push_frames=1 + lookahead,
+                      ttfa_tokens_added=lookahead * TOKENS_PER_FRAME))
     return out
 
 
@@ -258,7 +217,7 @@ def print_table(rows: Sequence[Row]) -> None:
 
 
 def compare(model: torch.nn.Module, args: argparse.Namespace) -> None:
-    plan = schemes(args)
+    plan = schemes(args, model)
     rows: list[Row] = []
     for batch in args.batches:
         utterances = random_utterances(batch, args.frames, seed=batch)
@@ -303,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="concurrent sessions (default 1 8 32)")
     ap.add_argument("--push-frames", type=int, default=None,
                     help="new frames per push after the first (default: scheduler.flush_every_n_tokens / 7)")
-    ap.add_argument("--stateful-lookahead", type=int, default=3, help="frames the stateful decoder needs after a frame")
     ap.add_argument("--fidelity-sessions", type=int, default=2, help="sessions per batch checked against the one-shot decode")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--sweep", action="store_true", help="sweep L, R and push size instead (batch 1)")

@@ -148,6 +148,22 @@ def analytic_realtime_bound(cost: SimConfig, *, prompt_tokens: int, utterance_to
     return best
 
 
+def ttfb_feasible_bound(cost: SimConfig, *, prompt_tokens: int, utterance_tokens: int, max_batch: int,
+                        first_audio_tokens: int, ttfb_ms: float) -> int:
+    """Most streams for which a full-batch step is still fast enough that a new session's first
+    `first_audio_tokens` tokens take under `ttfb_ms` (and every stream stays real-time). At the
+    throughput bound a step takes 1000/82 = 12.2 ms, so 21 tokens of first-audio delay alone take
+    256 ms: no schedule that decodes every stream each step meets a 150 ms TTFB there."""
+    ctx = prompt_tokens + utterance_tokens / 2
+    best = 0
+    for n in range(1, max_batch + 1):
+        step = cost.step_base_ms + cost.step_per_seq_ms * n + cost.step_per_ctx_token_ms * ctx * n
+        prefill = cost.prefill_per_token_ms * prompt_tokens
+        if step <= 1000.0 / TOKENS_PER_SECOND_REALTIME and first_audio_tokens * step + prefill <= ttfb_ms:
+            best = n
+    return best
+
+
 def h100_fp8_cost() -> SimConfig:
     """Decode-step cost of Orpheus 3B as an FP8 TensorRT-LLM engine on one H100 SXM (modelled, not
     measured): the FP8 weights (3.2 GB of transformer + 16-bit embeddings) stream in ~1.5 ms at
