@@ -38,3 +38,23 @@ def test_summary_counts_and_percentiles() -> None:
 def test_workload_is_seeded() -> None:
     assert make_workload(20, seed=3) == make_workload(20, seed=3)
     assert make_workload(20, seed=3) != make_workload(20, seed=4)
+
+
+def test_measure_one_load_level_against_a_real_server(tiny_orpheus) -> None:
+    from gateway_support import sim_config, start_server
+
+    from orpheus_serve.benchmarking.runner import LoadSpec, Target, best_realtime_level, measure
+
+    server = start_server(sim_config(tiny_orpheus, **{"engine.sim.end_after_frames": 6}))
+    try:
+        target = Target(f"http://127.0.0.1:{server.http_port}", f"127.0.0.1:{server.grpc_port}")
+        seen = []
+        row = measure(target, LoadSpec(requests=6, concurrency=3, protocol="mixed", max_tokens=70, max_chars=250),
+                      progress=seen.append)
+    finally:
+        server.stop()
+    assert (row["requests"], row["succeeded"], row["errors"]) == (6, 6, 0)
+    assert len(seen) == 6
+    assert abs(row["audio_seconds"] - 6 * 6 * 2048 / 24000) < 1e-3
+    assert row["ttfb_p50_ms"] is not None and row["server_cpu_s"] >= 0 and row["tokens_per_s"] > 0
+    assert best_realtime_level([row], ttfb_target_ms=1e9) in (None, 3)
