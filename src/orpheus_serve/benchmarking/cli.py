@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cap per request (keeps CPU runs short; 0 = the server's text-length rule)")
     ap.add_argument("--ttfb-target-ms", type=float, default=None, help="default: the profile's target_ttfb_ms")
     ap.add_argument("--sim-streams", type=int, default=128, help="concurrent streams for the sim run")
+    ap.add_argument("--sim-max-batch", type=int, default=512,
+                    help="scheduler.max_batch_size of the sim server: smaller steps for new sessions' first audio")
     ap.add_argument("--sim-protocol", choices=("rest", "ws", "grpc", "mixed"), default="grpc",
                     help="protocol of the sim run (gRPC's client costs this machine the least CPU per stream)")
     ap.add_argument("--seed", type=int, default=0)
@@ -157,7 +159,8 @@ class Bench:
         levels = sorted({16, 32, 48, 64, 96, streams, ttfb_bound, int(0.9 * bound), bound})
         rows = []
         slots = max(levels)
-        with self.server("sim", sim_overrides(cost, slots=slots, frames=frames)) as target:
+        overrides = sim_overrides(cost, slots=slots, frames=frames, max_batch=self.args.sim_max_batch)
+        with self.server("sim", overrides) as target:
             for c in levels:
                 spec = LoadSpec(requests=2 * c, concurrency=c, protocol=self.args.sim_protocol, seed=self.args.seed,
                                 max_tokens=frames * 7 + 7, max_chars=self.max_chars, ramp_s=seconds)
@@ -166,6 +169,7 @@ class Bench:
         print(f"\nsim: throughput bound {bound} real-time streams, TTFB-feasible bound {ttfb_bound}; held {held} "
               f"with p95 TTFB < 150 ms and no underrun ({(held or 0) / bound:.0%} / {(held or 0) / ttfb_bound:.0%})")
         return {"cost_model": cost.model_dump(), "utterance_seconds": round(frames * FRAME_SECONDS, 3),
+                "max_batch_size": min(self.args.sim_max_batch, slots),
                 "protocol": self.args.sim_protocol, "analytic_bound": bound, "ttfb_feasible_bound": ttfb_bound,
                 "held_realtime_streams": held,
                 "fraction_of_bound": round((held or 0) / bound, 3) if bound else None,

@@ -174,14 +174,14 @@ def h100_fp8_cost() -> SimConfig:
                      prefill_per_token_ms=0.01, end_after_frames=None, realtime=True)
 
 
-def sim_overrides(cost: SimConfig, *, slots: int, frames: int) -> list[str]:
+def sim_overrides(cost: SimConfig, *, slots: int, frames: int, max_batch: int) -> list[str]:
     return [
         "engine.backend=sim", "codec.decoder=sim",
         f"engine.sim.step_base_ms={cost.step_base_ms}", f"engine.sim.step_per_seq_ms={cost.step_per_seq_ms}",
         f"engine.sim.step_per_ctx_token_ms={cost.step_per_ctx_token_ms}",
         f"engine.sim.prefill_per_token_ms={cost.prefill_per_token_ms}",
         f"engine.sim.end_after_frames={frames}", "engine.sim.realtime=true",
-        f"scheduler.max_concurrent_sessions={slots}", f"scheduler.max_batch_size={slots}",
+        f"scheduler.max_concurrent_sessions={slots}", f"scheduler.max_batch_size={min(max_batch, slots)}",
         f"scheduler.max_queue={4 * slots}", "server.max_connections=2048",
     ]
 
