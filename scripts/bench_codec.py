@@ -34,14 +34,12 @@ cadence it is fed with.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -54,6 +52,7 @@ from orpheus_serve.codec.windowed import WindowBatcher, WindowedDecoder
 from orpheus_serve.config import load_config
 from orpheus_serve.protocol import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from orpheus_serve.service import audible_lookahead
+from orpheus_serve.tiny_models import write_snac
 
 REFERENCE_WINDOW_FRAMES = 4  # 28 tokens
 REFERENCE_KEEP_FRAME = 1  # samples 2048:4096
@@ -245,15 +244,6 @@ def sweep(model: torch.nn.Module, args: argparse.Namespace) -> None:
     print_table(rows)
 
 
-def load_script(name: str) -> ModuleType:
-    """A sibling script as a module, whether this file runs as a script or as `scripts.bench_codec`."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--snac", default=None, help="SNAC folder (default: build the tiny random-weight SNAC in a temp dir)")
@@ -277,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         snac_dir = args.snac
         if snac_dir is None:
             snac_dir = Path(tmp) / "tiny-snac"
-            load_script("make_tiny_models").write_snac(snac_dir, seed=0)
+            write_snac(snac_dir, seed=0)
         model = load_snac(snac_dir, device="cpu", noise=False)
         print(f"SNAC {snac_dir}, noise off, CPU, {torch.get_num_threads()} thread(s), {args.frames} frames per "
               f"utterance ({args.frames * SAMPLES_PER_FRAME / SAMPLE_RATE:.2f} s)", file=sys.stderr)

@@ -156,7 +156,7 @@ class Bench:
         shape = {"prompt_tokens": 40, "utterance_tokens": frames * 7, "max_batch": 4 * streams}
         bound = analytic_realtime_bound(cost, **shape)
         ttfb_bound = ttfb_feasible_bound(cost, **shape, first_audio_tokens=21, ttfb_ms=150.0)
-        levels = sorted({16, 32, 48, 64, 96, streams, ttfb_bound, int(0.9 * bound), bound})
+        levels = sorted({32, 64, ttfb_bound, streams, int(0.9 * bound)})
         rows = []
         slots = max(levels)
         overrides = sim_overrides(cost, slots=slots, frames=frames, max_batch=self.args.sim_max_batch)
