@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,15 @@ def tiny_orpheus(tiny_models: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_snac(tiny_models: Path) -> Path:
     return tiny_models / "tiny-snac"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for torch-heavy modules: on the test machine's two shared cores, two
+    threads spend most of their time waiting on each other."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

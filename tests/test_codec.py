@@ -11,7 +11,6 @@ import json
 import threading
 import wave
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +46,7 @@ def stream(decoder: WindowedDecoder, frames: np.ndarray, push_frames: int, key: 
     ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # Two intra-op threads on a shared 2-core machine spend most of their time waiting on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

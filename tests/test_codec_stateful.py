@@ -25,13 +25,7 @@ def _bypass_noise(model: snac.SNAC) -> snac.SNAC:
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # The decodes here are small; one thread keeps the suite's CPU use low on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

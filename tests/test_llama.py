@@ -9,7 +9,6 @@ checkpoint, plain RoPE with full multi-head attention.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,7 @@ from orpheus_serve.tiny_models import llama_config, llama_weights
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread() -> Iterator[None]:
-    """The test machine's two cores are shared; one intra-op thread avoids spin-waiting on a busy core."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_logits(folder: Path, sequences: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -3,8 +3,6 @@ the repetition penalty, batch independence and the frame-position constraint."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,14 +18,7 @@ from orpheus_serve.engines.sampling import (
     sample_candidates,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread() -> Iterator[None]:
-    """The test machine's two cores are shared; one intra-op thread avoids spin-waiting on a busy core."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def batch_params(n: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, penalty: float = 1.0,

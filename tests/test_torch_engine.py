@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,13 +30,7 @@ from orpheus_serve.tiny_models import llama_config, llama_weights
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread() -> Iterator[None]:
-    """The test machine's two cores are shared; one intra-op thread avoids spin-waiting on a busy core."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(folder: Path, *, num_slots: int = 8, max_seq_len: int = 256, max_batch_size: int = 16,
