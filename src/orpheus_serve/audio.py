@@ -278,6 +278,8 @@ class AudioStreamEncoder:
         else:
             self._stage = _ContainerStage(_CODECS[fmt], out_rate)
         self._finished = False
+        # PCM or WAV at the input rate and speed: the bytes go out as they came (after the header).
+        self._raw_copy = isinstance(self._stage, _RawStage) and out_rate == input_rate and self._tempo is None
 
     def _through(self, frame: av.AudioFrame | None) -> list[av.AudioFrame]:
         """Tempo, then conversion to s16 mono at the output rate; `None` drains both."""
@@ -299,6 +301,11 @@ class AudioStreamEncoder:
             raise ValueError("PCM16 input must have an even number of bytes")
         if not pcm:
             return b""
+        if self._raw_copy:
+            self.samples_in += len(pcm) // 2
+            out = self._stage.finish() + pcm  # finish() hands out the header once
+            self.bytes_out += len(out)
+            return out
         frame = _pcm_frame(pcm, self.input_rate, self.samples_in)
         self.samples_in += len(pcm) // 2
         out = self._stage.frames(self._through(frame))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, replace
@@ -138,6 +139,11 @@ class TTSService:
         self._core = EngineCore(self._scheduler, engine, self._codec, self._on_scheduler_event,
                                 on_frames=self._record_frames if record_tokens else None)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Items from the engine and codec threads, handed to the loop in batches: one wake-up
+        # per batch of codec results instead of one per result.
+        self._inbox: list[tuple[Hashable, bytes | _Done]] = []
+        self._inbox_lock = threading.Lock()
+        self._drain_scheduled = False
         self._channels: dict[Hashable, _SessionChannel] = {}
         self._observers: list[ServiceObserver] = []
         self._active_requests = 0
@@ -469,12 +475,21 @@ class TTSService:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        loop.call_soon_threadsafe(self._deliver, key, item)
+        with self._inbox_lock:
+            self._inbox.append((key, item))
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        loop.call_soon_threadsafe(self._drain_inbox)
 
-    def _deliver(self, key: Hashable, item: bytes | _Done) -> None:
-        channel = self._channels.get(key)
-        if channel is not None:  # None: the client left; its session is being cancelled
-            channel.queue.put_nowait(item)
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            items, self._inbox = self._inbox, []
+            self._drain_scheduled = False
+        for key, item in items:
+            channel = self._channels.get(key)
+            if channel is not None:  # None: the client left; its session is being cancelled
+                channel.queue.put_nowait(item)
 
     def _notify(self, method: str, *args: Any) -> None:
         for observer in self._observers:

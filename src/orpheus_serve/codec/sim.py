@@ -2,7 +2,7 @@
 
 It cannot produce speech. It returns exactly 2048 samples per frame (a quiet
 tone whose pitch follows the frame's first code, so audio is not silence and
-chunk joins can be checked) and blocks the codec worker for a modelled time,
+chunk joins are seamless) and blocks the codec worker for a modelled time,
 
     decode_ms = base_ms + per_frame_ms * frames_in_batch
 
@@ -35,29 +35,27 @@ class SimDecoder:
         self.base_ms = base_ms
         self.per_frame_ms = per_frame_ms
         self.realtime = realtime
-        self._phase: dict[Hashable, float] = {}
 
     def decode(self, pushes: Sequence[CodecPush]) -> list[CodecResult]:
+        started = time.perf_counter()
         frames = sum(len(p.frames) for p in pushes)
+        results = [CodecResult(p.key, self._tone(p.frames), p.final) for p in pushes]
         if self.realtime and frames:
-            time.sleep((self.base_ms + self.per_frame_ms * frames) / 1000.0)
-        results = []
-        for push in pushes:
-            pcm = self._tone(push.key, push.frames)
-            if push.final:
-                self._phase.pop(push.key, None)
-            results.append(CodecResult(push.key, pcm, push.final))
+            # The modelled GPU time includes making the audio: sleep only for what is left of it.
+            remaining = (self.base_ms + self.per_frame_ms * frames) / 1000.0 - (time.perf_counter() - started)
+            if remaining > 0:
+                time.sleep(remaining)
         return results
 
     def close(self, key: Hashable) -> None:
-        self._phase.pop(key, None)
+        """No per-session state."""
 
-    def _tone(self, key: Hashable, frames: np.ndarray) -> np.ndarray:
-        if len(frames) == 0:
-            return np.zeros(0, dtype=np.float32)
-        # one frequency per frame, phase-continuous across frames and pushes
-        freqs = 120.0 + (np.asarray(frames)[:, 0] % 64) * 5.0
-        inst = np.repeat(freqs, SAMPLES_PER_FRAME) / SAMPLE_RATE
-        phase = self._phase.get(key, 0.0) + 2 * np.pi * np.cumsum(inst)
-        self._phase[key] = float(phase[-1] % (2 * np.pi))
-        return (0.1 * np.sin(phase)).astype(np.float32)
+    @staticmethod
+    def _tone(frames: np.ndarray) -> np.ndarray:
+        # One whole-period tone per frame, picked by the frame's first code: joins are seamless.
+        return _TONES[np.asarray(frames, dtype=np.int64)[:, 0] % len(_TONES)].reshape(-1)
+
+
+# 64 tones of 10..73 whole periods per frame (117..855 Hz), 2048 samples each, at -20 dBFS.
+_TONES = (0.1 * np.sin(2 * np.pi * np.outer(np.arange(10, 74), np.arange(SAMPLES_PER_FRAME)) / SAMPLES_PER_FRAME)
+          ).astype(np.float32)
