@@ -45,7 +45,6 @@ class SchedulerConfig(_Strict):
     policy: Literal["fair", "deadline"] = "fair"
     deadline_yield_s: float = Field(1.0, ge=0)
     deadline_stalled_max_wait_s: float = Field(5.0, ge=0)
-    next_chunk_lead_s: float = Field(1.5, ge=0)
 
     @model_validator(mode="after")
     def _whole_frames(self) -> SchedulerConfig:

@@ -311,6 +311,8 @@ class TTSService:
     async def _synthesize(self, req: SynthesisRequest, *, count: bool) -> AsyncIterator[AudioChunk | SynthesisMetrics]:
         received = time.monotonic()
         chunks = self.text_chunks(req.text)
+        if not chunks:
+            raise InvalidRequestError("input has no text to speak after normalisation", param="input")
         metrics = SynthesisMetrics(request_id=req.request_id, text_chunks=len(chunks))
         if count:
             self.counters["requests_total"] += 1
