@@ -376,6 +376,25 @@ def test_flush_policy_first_push_waits_for_lookahead_then_thin_buffer_pushes_eac
     assert sum(n for _, n, _ in pushes) == 20
 
 
+def test_pushes_grow_while_the_client_holds_a_deep_buffer() -> None:
+    clock = FakeClock()
+    sched = Scheduler(config(), num_slots=1, lookahead_frames=2, clock=clock)
+    model = HandModel(frames=60)
+    sched.submit(request("a", clock))
+    pushes: list[int] = []
+    while sched.has_work:
+        _, events = run_step(sched, model, clock, dt=0.0)  # frozen clock: the buffer only grows
+        pushes += [e.num_frames for e in of_type(events, FramesReady) if not e.final]
+    assert sum(pushes) <= 60
+    assert max(pushes) == 8  # 4x the regular 2-frame push, no more
+    sent = 0
+    for n in pushes:  # a push larger than the regular 2 frames only when the client holds twice it
+        held = sent - 2  # audible frames before this push: all pushed frames but the decoder's lookahead
+        assert n <= 3 or held >= 2 * n, (n, held)
+        sent += n
+    assert pushes[3:] == sorted(pushes[3:])  # with a frozen clock the buffer only grows, so pushes do too
+
+
 def test_frames_go_out_exactly_once_in_order_with_several_tokens_per_step() -> None:
     clock = FakeClock()
     sched = Scheduler(config(), num_slots=2, lookahead_frames=1, clock=clock)

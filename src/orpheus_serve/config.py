@@ -138,6 +138,7 @@ class ServerConfig(_Strict):
     max_connections: int = Field(256, ge=1)
     max_ws_requests_per_connection: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
+    switch_interval_ms: float = Field(1.0, gt=0, le=100)  # interpreter-lock hand-off between server threads
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -182,6 +183,10 @@ class OrpheusServer:
 
 def run_server(config: Config) -> int:
     """Build the service from config and serve until a signal (production_server.py)."""
+    # The engine, codec and event-loop threads hand the interpreter lock to each other many
+    # times per decode step; Python's default 5 ms switch interval would add up to that much
+    # to every step a thread waits for. A process-wide setting, so it is made here, once.
+    sys.setswitchinterval(config.server.switch_interval_ms / 1000.0)
     asyncio.run(OrpheusServer(config).serve_until_signalled())
     return 0
 

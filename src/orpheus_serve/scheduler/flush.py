@@ -12,7 +12,10 @@ One refinement: right after the first audio the client holds a single frame
 even at full speed, so waiting for them would make every stream stall once
 at its start. While the client holds less than one regular push of audio the
 scheduler asks for an eager push: every whole frame goes out as soon as it is
-complete. Larger pushes resume once the buffer has grown.
+complete. Larger pushes resume once the buffer has grown, and grow further
+(2× or 4× the regular push) while the client holds at least twice the larger
+push: the same audio in fewer chunks costs the codec worker, the event loop and
+the network less per second of audio, and the buffer never drops below one push.
 """
 
 from __future__ import annotations
@@ -69,10 +72,11 @@ class FrameBuffer:
             self._pending.append(frames)
             self._pending_frames += int(frames.shape[0])
 
-    def take_ready(self, *, eager: bool = False) -> np.ndarray | None:
+    def take_ready(self, *, eager: bool = False, every_frames: int | None = None) -> np.ndarray | None:
         """Every pending frame if the policy says a push is due now, else None.
-        `eager`: the client's buffer is thin, push any whole frame (after the first push)."""
-        needed = self.policy.every_frames if not eager else 1
+        `eager`: the client's buffer is thin, push any whole frame (after the first push).
+        `every_frames`: a larger push size while the client's buffer is deep (fewer, bigger chunks)."""
+        needed = 1 if eager else (every_frames or self.policy.every_frames)
         if self.flushes == 0:
             needed = self.policy.first_frames
         if self._pending_frames < needed:

@@ -57,6 +57,7 @@ from .policy import SchedulingPolicy, make_policy
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
+_MAX_PUSH_MULTIPLE = 4  # regular pushes grow to at most 4× flush_every_n_tokens when the client is far ahead
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 60.0
 _SESSION_S_SMOOTHING = 0.1  # weight of the newest session in the running mean used for retry hints
@@ -408,10 +409,23 @@ class Scheduler:
         elif outcome is not None:
             self._complete(session, outcome, now, events)
         else:
-            ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now))
+            ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now),
+                                              every_frames=self._push_frames(session, now))
             if ready is not None:
                 session.record_flush(now, int(ready.shape[0]), final=False)
                 events.append(FramesReady(session.request_id, ready, final=False))
+
+    def _push_frames(self, session: Session, now: float) -> int:
+        """Frames per regular push: the policy's, doubled (up to 4×) while the client holds at least
+        twice the larger push, so a deep buffer takes fewer, bigger chunks."""
+        every = self._flush_policy.every_frames
+        if session.playback_end_s is None:
+            return every
+        held_pushes = (session.playback_end_s - now) / (every * FRAME_SECONDS)
+        multiple = 1
+        while multiple < _MAX_PUSH_MULTIPLE and held_pushes >= 4 * multiple:
+            multiple *= 2
+        return every * multiple
 
     def _buffer_is_thin(self, session: Session, now: float) -> bool:
         """The client holds less audio than one regular push: frames should go out one by one."""
