@@ -1,16 +1,16 @@
 """The engine core: one thread that drives the token engine.
 
     loop:
-        plan = scheduler.schedule()          # under the lock: pure bookkeeping
-        out = engine.step(plan)              # no lock: the model runs here
-        events = scheduler.update(plan, out) # under the lock
+        plan = scheduler.schedule()          # pure bookkeeping
+        out = engine.step(plan)              # the model runs here
+        events = scheduler.update(plan, out)
         FramesReady      -> codec worker (batched SNAC decode on its own thread)
         other events     -> on_event (the service hops them onto its asyncio loop)
 
-The scheduler is single-threaded by design; `submit` and `cancel` come from
-the asyncio thread, so they take the same lock as schedule/update (cheap:
-nothing inside it touches a model). When there is no work the thread waits
-on a condition that `submit`/`cancel`/`stop` notify; it never polls.
+`submit` and `cancel` come from the asyncio thread; the scheduler's own lock
+makes that safe. When there is no work the thread waits on a condition that
+`submit`/`cancel`/`stop` notify (after changing the scheduler, so no wake-up
+is lost); it never polls.
 
 An exception from `engine.step` fails the sessions in that plan (the
 scheduler releases their slots) and the loop goes on for everybody else.
@@ -22,20 +22,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from .codec.base import CodecPush
 from .engines.base import StepOutput, StepPlan, TokenEngine
-from .scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFinished, SessionRequest
+from .scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
 
 log = logging.getLogger(__name__)
 
 
-class CodecSink:
+class CodecSink(Protocol):
     """What the engine core needs from the codec worker."""
 
-    def submit(self, push: CodecPush) -> None: ...  # pragma: no cover - protocol
+    def submit(self, push: CodecPush) -> None: ...
 
-    def close_session(self, key: str) -> None: ...  # pragma: no cover - protocol
+    def close_session(self, key: str) -> None: ...
 
 
 class EngineCore:
@@ -59,6 +60,7 @@ class EngineCore:
         self._idle_tick_s = idle_tick_s
         self._cond = threading.Condition()
         self._stopping = False
+        self._wakeups = 0  # counts notifications, so a wait after a check misses none
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_errors = 0
@@ -68,18 +70,20 @@ class EngineCore:
 
     def submit(self, req: SessionRequest) -> None:
         """Queue a session; raises QueueFullError at once when the queue is full."""
-        with self._cond:
-            self._scheduler.submit(req)
-            self._cond.notify()
+        self._scheduler.submit(req)
+        self._wake()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        with self._cond:
-            self._scheduler.cancel(request_id, reason)
-            self._cond.notify()
+        self._scheduler.cancel(request_id, reason)
+        self._wake()
 
-    def scheduler_stats(self):  # -> SchedulerStats
+    def scheduler_stats(self) -> SchedulerStats:
+        return self._scheduler.stats()
+
+    def _wake(self) -> None:
         with self._cond:
-            return self._scheduler.stats()
+            self._wakeups += 1
+            self._cond.notify()
 
     # ------------------------------------------------------------------ thread
 
@@ -92,14 +96,11 @@ class EngineCore:
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
+            self._wakeups += 1
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -108,25 +109,23 @@ class EngineCore:
                     self._cond.wait()
                 if self._stopping:
                     return
-                plan = self._scheduler.schedule()
-                if plan.empty:
-                    events = self._scheduler.drain_events()
-                    if not events:
-                        self._cond.wait(self._idle_tick_s)
-                        continue
-                else:
-                    events = []
-            self._dispatch(events)
+                seen = self._wakeups
+            plan = self._scheduler.schedule()
             if plan.empty:
+                events = self._scheduler.drain_events()
+                if events:
+                    self._dispatch(events)
+                else:
+                    with self._cond:
+                        if self._wakeups == seen and not self._stopping:
+                            self._cond.wait(self._idle_tick_s)
                 continue
 
             t0 = time.perf_counter()
             output = self._step(plan)
             self.busy_s += time.perf_counter() - t0
             self.steps += 1
-            with self._cond:
-                events = self._scheduler.update(plan, output)
-            self._dispatch(events)
+            self._dispatch(self._scheduler.update(plan, output))
 
     def _step(self, plan: StepPlan) -> StepOutput:
         try:

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +99,3 @@ class LaunchedServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def launch(overrides: Sequence[str], **kwargs) -> LaunchedServer:
-    return LaunchedServer(list(overrides), **kwargs)
