@@ -378,7 +378,8 @@ def test_flush_policy_first_push_waits_for_lookahead_then_thin_buffer_pushes_eac
 
 def test_pushes_grow_while_the_client_holds_a_deep_buffer() -> None:
     clock = FakeClock()
-    sched = Scheduler(config(), num_slots=1, lookahead_frames=2, clock=clock)
+    # (no client-buffer backpressure: with a frozen clock the client would never play its buffer down)
+    sched = Scheduler(config(max_client_buffer_s=1e6), num_slots=1, lookahead_frames=2, clock=clock)
     model = HandModel(frames=60)
     sched.submit(request("a", clock))
     pushes: list[int] = []

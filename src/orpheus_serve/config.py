@@ -45,12 +45,21 @@ class SchedulerConfig(_Strict):
     policy: Literal["fair", "deadline"] = "fair"
     deadline_yield_s: float = Field(1.0, ge=0)
     deadline_stalled_max_wait_s: float = Field(5.0, ge=0)
+    # Flow control (DESIGN §5a): what a session may run ahead of its codec and its client.
+    max_undecoded_frames: int = Field(12, ge=2, le=4096)  # generated, not yet decoded: past it, no decode steps
+    max_client_buffer_s: float = Field(3.0, gt=0)  # audio the client holds unplayed: past it, the session waits
+    max_server_buffer_s: float = Field(2.0, gt=0)  # decoded audio not yet taken by the client's socket
+    admission: Literal["queue", "reject"] = "queue"  # over capacity: wait in the queue, or 503 at once
+    admission_headroom: float = Field(0.15, ge=0, le=4)  # admit while streams run this much faster than real time
+    first_chunk_safety: float = Field(1.5, ge=1, le=10)  # first audio covers this many times the next frame's wait
 
     @model_validator(mode="after")
     def _whole_frames(self) -> SchedulerConfig:
         for name in ("flush_first_n_tokens", "flush_every_n_tokens"):
             if getattr(self, name) % 7:
                 raise ValueError(f"{name} must be a multiple of 7 (one audio frame is 7 tokens)")
+        if self.flush_every_n_tokens // 7 > self.max_undecoded_frames:
+            raise ValueError("flush_every_n_tokens must fit within max_undecoded_frames frames")
         return self
 
 
@@ -74,6 +83,8 @@ class CodecConfig(_Strict):
     seed: int | None = None
     compile: bool = False
     max_batch: int = Field(64, ge=1)
+    max_frames_per_pass: int = Field(64, ge=1)  # frames one worker pass may decode, across all sessions
+    max_frames_per_session: int = Field(4, ge=1)  # frames one session may contribute to a pass (round-robin)
     sim: SimCodecConfig = SimCodecConfig()
 
 
@@ -138,6 +149,8 @@ class ServerConfig(_Strict):
     max_connections: int = Field(256, ge=1)
     max_ws_requests_per_connection: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
+    stalled_client_timeout_s: float = Field(10.0, gt=0)  # a client that takes no audio this long is cut off
+    ready_max_backlog_s: float = Field(2.0, gt=0)  # /ready says saturated when the oldest undecoded frame is older
     switch_interval_ms: float = Field(1.0, gt=0, le=100)  # interpreter-lock hand-off between server threads
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -9,8 +9,16 @@
 
 `submit` and `cancel` come from the asyncio thread; the scheduler's own lock
 makes that safe. When there is no work the thread waits on a condition that
-`submit`/`cancel`/`stop` notify (after changing the scheduler, so no wake-up
-is lost); it never polls.
+`submit`/`cancel`/`stop`/`wake` notify (after changing the scheduler, so no
+wake-up is lost); it never polls. While sessions exist but none can step
+(all held back by flow control, or queued for capacity) it waits at most
+`idle_tick_s`, or until `wake()`: the codec and the service call it when a
+session's backlog shrinks.
+
+Each loop period (schedule -> step -> update -> dispatch) is reported to the
+scheduler (`record_step_time`): that, not the engine call alone, is what a
+stream waits between two tokens, and it feeds the capacity measure that
+admission uses.
 
 An exception from `engine.step` fails the sessions in that plan (the
 scheduler releases their slots) and the loop goes on for everybody else.
@@ -80,6 +88,10 @@ class EngineCore:
     def scheduler_stats(self) -> SchedulerStats:
         return self._scheduler.stats()
 
+    def wake(self) -> None:
+        """Something a held-back session waits for has changed (codec progress, client took audio)."""
+        self._wake()
+
     def _wake(self) -> None:
         with self._cond:
             self._wakeups += 1
@@ -110,6 +122,7 @@ class EngineCore:
                 if self._stopping:
                     return
                 seen = self._wakeups
+            period_start = time.perf_counter()
             plan = self._scheduler.schedule()
             if plan.empty:
                 events = self._scheduler.drain_events()
@@ -126,6 +139,7 @@ class EngineCore:
             self.busy_s += time.perf_counter() - t0
             self.steps += 1
             self._dispatch(self._scheduler.update(plan, output))
+            self._scheduler.record_step_time(plan, time.perf_counter() - period_start)
 
     def _step(self, plan: StepPlan) -> StepOutput:
         try:

@@ -57,6 +57,30 @@ class _ServiceStatsCollector(Collector):
                                   value=stats["total_tokens"])
         yield CounterMetricFamily("orpheus:engine_steps", "Engine steps (micro-batches) run.",
                                   value=stats["total_batches"])
+        flow = stats.get("flow")
+        if flow is not None:
+            yield GaugeMetricFamily("orpheus:codec_backlog_frames", "Frames waiting for the codec worker.",
+                                    value=flow["codec_backlog_frames"])
+            yield GaugeMetricFamily("orpheus:codec_oldest_pending_seconds",
+                                    "Age of the oldest frame waiting for the codec worker.",
+                                    value=flow["codec_oldest_pending_s"])
+            yield GaugeMetricFamily("orpheus:undecoded_frames_max",
+                                    "The most frames any session has generated but not decoded.",
+                                    value=flow["max_undecoded_frames"])
+            capacity = flow["capacity_streams"]
+            yield GaugeMetricFamily("orpheus:capacity_realtime_streams",
+                                    "Real-time streams the measured pipeline sustains (NaN until measured).",
+                                    value=float("nan") if capacity is None else capacity)
+            yield GaugeMetricFamily("orpheus:admitted_streams",
+                                    "Admitted streams that need real-time production (compare with capacity).",
+                                    value=flow["demand_streams"])
+            paused = GaugeMetricFamily("orpheus:sessions_held_back", "Sessions skipped by backpressure, by cause.",
+                                       labels=["cause"])
+            for cause in ("codec", "client_buffer", "server_buffer"):
+                paused.add_metric([cause], flow[f"paused_{cause}"])
+            yield paused
+            yield GaugeMetricFamily("orpheus:saturated", "1 while the pipeline is behind or full (/ready is 503).",
+                                    value=1.0 if flow["saturated"] else 0.0)
         gateway = self._gateway_figures()
         streams = GaugeMetricFamily("orpheus:active_streams", "Audio streams open at the gateway.",
                                     labels=["protocol"])

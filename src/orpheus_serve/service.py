@@ -18,6 +18,13 @@ exact and the client's buffer bridges the next chunk's first-audio time.
 Leaving the iterator early (client gone, `aclose`) cancels the live session:
 the scheduler frees its slot at the next step and the codec drops its state.
 The asyncio loop never runs model code.
+
+Flow control (DESIGN §5a) closes the loop from the client back to the engine:
+the codec reports each session's decoded frames to the scheduler, and every
+chunk the consumer takes from `synthesize` is reported as delivered (the
+gateway consumes only as fast as the client's socket takes bytes). The
+scheduler holds back sessions that run too far ahead of either, so the
+per-session mailboxes below stay bounded by `max_server_buffer_s` plus one push.
 """
 
 from __future__ import annotations
@@ -131,9 +138,18 @@ class TTSService:
         self._engine = engine
         self._decoder = decoder
         self._tokenizer = tokenizer
-        self._scheduler = Scheduler(config.scheduler, engine.num_slots, lookahead_frames=audible_lookahead(decoder),
-                                    max_seq_len=engine.max_seq_len)
-        self._codec = CodecWorker(decoder, self._on_codec_result, max_batch=config.codec.max_batch, device=codec_device)
+        lookahead = audible_lookahead(decoder)
+        self._scheduler = Scheduler(
+            config.scheduler, engine.num_slots, lookahead_frames=lookahead, max_seq_len=engine.max_seq_len,
+            lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * protocol.SAMPLES_PER_FRAME),
+            delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
+        )
+        self._codec = CodecWorker(
+            decoder, self._on_codec_result, max_batch=config.codec.max_batch,
+            max_frames_per_pass=config.codec.max_frames_per_pass,
+            max_frames_per_session=config.codec.max_frames_per_session,
+            held_audio_s=self._scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
+        )
         # session id -> (prompt ids, frames so far, finish reason); only for tooling (--tokens-out)
         self.token_log: dict[str, dict[str, Any]] | None = {} if record_tokens else None
         self._core = EngineCore(self._scheduler, engine, self._codec, self._on_scheduler_event,
@@ -302,8 +318,11 @@ class TTSService:
         except InvalidRequestError:
             self.counters["requests_invalid"] += 1
             raise
-        async for item in self._synthesize(req, count=True):
-            yield item
+        # aclosing: leaving this generator early must close the inner one now (it cancels the session),
+        # not whenever the garbage collector finalises it.
+        async with contextlib.aclosing(self._synthesize(req, count=True)) as items:
+            async for item in items:
+                yield item
 
     def text_chunks(self, text: str) -> list[str]:
         return split_text(normalize_text(text), max_chars=TEXT_CHUNK_CHARS)
@@ -343,6 +362,9 @@ class TTSService:
                         chunk = AudioChunk(pcm=item, index=index, start_sample=sample_offset)
                         index += 1
                         sample_offset += chunk.num_samples
+                        # Handed to the consumer: delivered, as far as flow control is concerned.
+                        self._scheduler.note_delivered(session_id, chunk.num_samples)
+                        self._core.wake()
                         yield chunk
                         continue
                     # a _Done: generation finished, the codec's last audio is out, or the stream failed
@@ -463,8 +485,14 @@ class TTSService:
             return
         self._post(event.request_id, done)
 
+    def _on_codec_pass(self, frames: int, seconds: float) -> None:
+        """Codec worker thread, after each pass: measure it, and let held-back sessions go on."""
+        self._scheduler.record_codec_pass(frames, seconds)
+        self._core.wake()
+
     def _on_codec_result(self, result: CodecResult) -> None:
         """Codec worker thread -> asyncio loop. Converts to PCM here, off the loop."""
+        self._scheduler.note_decoded(str(result.key), result.frames, int(result.pcm.size))
         if result.error:
             self._post(result.key, _Done(reason="error", error=f"codec error: {result.error}"))
             return
@@ -498,6 +526,31 @@ class TTSService:
             getattr(observer, method)(*args)
 
     # ------------------------------------------------------------------ stats
+
+    def flow_stats(self) -> dict[str, Any]:
+        """Flow control: capacity against demand, backpressure, codec backlog, and whether we are behind."""
+        flow = self._scheduler.flow_stats().as_dict()
+        backlog_frames, oldest_s = self._codec.backlog()
+        flow["codec_backlog_frames"] = backlog_frames
+        flow["codec_oldest_pending_s"] = round(oldest_s, 4)
+        flow["saturated"] = self.saturation() is not None
+        flow["saturation"] = self.saturation()
+        return flow
+
+    def saturation(self) -> str | None:
+        """Why the pipeline is behind (for /ready), or None: the codec's oldest undecoded frame is older
+        than server.ready_max_backlog_s, or admission is closed and no request could wait for it."""
+        _, oldest_s = self._codec.backlog()
+        if oldest_s > self.config.server.ready_max_backlog_s:
+            return f"codec backlog: oldest undecoded frame is {oldest_s:.1f} s old"
+        flow = self._scheduler.flow_stats()
+        if not flow.admission_open:
+            if self.config.scheduler.admission == "reject":
+                return f"at capacity: {flow.demand_streams} of {flow.capacity_streams} real-time streams"
+            waiting = self._scheduler.stats().pending_sessions
+            if waiting >= self.config.scheduler.max_queue:
+                return f"at capacity with a full queue: {waiting} requests waiting"
+        return None
 
     def stats(self) -> dict[str, Any]:
         s = self._core.scheduler_stats()
@@ -537,6 +590,7 @@ class TTSService:
                 "busy_s": round(self._core.busy_s, 3),
             },
             "codec": codec_stats,
+            "flow": self.flow_stats(),
             "requests": {
                 "active": self._active_requests,
                 **{k: v for k, v in self.counters.items() if k.startswith("requests_")},

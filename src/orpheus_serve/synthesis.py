@@ -115,3 +115,10 @@ class EngineFailureError(SynthesisError):
     """The engine or codec failed this request (others are unaffected): 500 / INTERNAL."""
 
     code = "engine_error"
+
+
+class ClientStalledError(SynthesisError):
+    """The client took no audio for server.stalled_client_timeout_s: its session is cancelled and the
+    connection closed (408 / DEADLINE_EXCEEDED, if the client reads on at all)."""
+
+    code = "client_stalled"

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from ..synthesis import (
+    ClientStalledError,
     EngineFailureError,
     InvalidRequestError,
     QueueFullError,
@@ -62,6 +63,7 @@ _MAPPINGS: tuple[tuple[type[SynthesisError], ErrorMapping], ...] = (
     (TooManyConnectionsError, ErrorMapping(503, "server_error", grpc.StatusCode.RESOURCE_EXHAUSTED)),
     (ServiceUnavailableError, ErrorMapping(503, "server_error", grpc.StatusCode.UNAVAILABLE)),
     (SynthesisTimeoutError, ErrorMapping(504, "server_error", grpc.StatusCode.DEADLINE_EXCEEDED)),
+    (ClientStalledError, ErrorMapping(408, "invalid_request_error", grpc.StatusCode.DEADLINE_EXCEEDED)),
     (EngineFailureError, ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL)),
 )
 _FALLBACK = ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL)

@@ -27,6 +27,7 @@ from ..metrics import ServingMetrics
 from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from ..synthesis import (
     AudioChunk,
+    ClientStalledError,
     InvalidRequestError,
     ServiceUnavailableError,
     SynthesisError,
@@ -51,6 +52,7 @@ class SpeechService(Protocol):
     ready: bool
     accepting: bool
 
+    def saturation(self) -> str | None: ...
     def validate(self, req: SynthesisRequest) -> SynthesisRequest: ...
     def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
     def stats(self) -> dict: ...
@@ -166,10 +168,14 @@ class Gateway:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         return self.service.validate(request), output
 
-    def readiness(self) -> Literal["ready", "warming_up", "shutting_down"]:
+    def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "saturated"]:
+        """What /ready and gRPC health say. `saturated`: serving, but the pipeline is behind or at
+        capacity with nowhere to queue (DESIGN §5a); it clears by itself."""
         if self.shutting_down:
             return "shutting_down"
-        return "ready" if self.service.ready and self.service.accepting else "warming_up"
+        if not (self.service.ready and self.service.accepting):
+            return "warming_up"
+        return "saturated" if self.service.saturation() is not None else "ready"
 
     def acquire_connection(self) -> ConnectionLease:
         return self.limiter.acquire()
@@ -191,7 +197,7 @@ class Gateway:
             raise
         try:
             state = self.readiness()
-            if state != "ready":
+            if state in ("warming_up", "shutting_down"):  # a saturated server still queues or refuses by itself
                 raise ServiceUnavailableError(f"the server is {state.replace('_', ' ')}; retry shortly")
             if not await stream.start(disconnected):
                 await stream.close()
@@ -248,15 +254,21 @@ class Gateway:
 
 
 _DONE = object()
+# Items a stream's pump may hold ahead of its client: the service's generator advances (and counts
+# audio as delivered) only as fast as the client's socket takes the bytes.
+STREAM_QUEUE_ITEMS = 2
 
 
 class SpeechStream:
     """One synthesis in flight, encoded for its client.
 
     A pump task consumes the service's generator and hands items over through
-    a queue, so the generator lives in a single task from start to finish
-    whichever task serves the client, and cancelling the pump is all it takes
-    to cancel the session (the generator is closed with it).
+    a small bounded queue, so the generator lives in a single task from start
+    to finish whichever task serves the client, cancelling the pump is all it
+    takes to cancel the session (the generator is closed with it), and the
+    service sees the client's pace (flow control). If the client takes nothing
+    for `server.stalled_client_timeout_s`, the pump cancels the session and
+    sets `stalled`; the protocol handler then drops the connection.
     """
 
     def __init__(self, gateway: Gateway, request: SynthesisRequest, output: OutputOptions,
@@ -270,7 +282,9 @@ class SpeechStream:
         self.metrics: SynthesisMetrics | None = None
         self.first_byte_s: float | None = None
         self._lease = lease
-        self._queue: asyncio.Queue[AudioChunk | SynthesisMetrics | BaseException | object] = asyncio.Queue()
+        self._queue: asyncio.Queue[AudioChunk | SynthesisMetrics | BaseException | object] = asyncio.Queue(
+            maxsize=STREAM_QUEUE_ITEMS)
+        self.stalled = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._head: AudioChunk | SynthesisMetrics | BaseException | object | None = None
         self._status: str | None = None
@@ -294,13 +308,31 @@ class SpeechStream:
         items = self.gateway.service.synthesize(self.request)
         try:
             async for item in items:
-                self._queue.put_nowait(item)
+                if not await self._hand_over(item):
+                    return
         except Exception as exc:  # handed to the consumer, which raises it in its own task
-            self._queue.put_nowait(exc)
+            await self._hand_over(exc)
         else:
-            self._queue.put_nowait(_DONE)
+            await self._hand_over(_DONE)
         finally:
-            await items.aclose()
+            await items.aclose()  # cancels the session if it is still running
+
+    async def _hand_over(self, item: object) -> bool:
+        """Queue an item for the consumer; False (and `stalled` set) if the client took nothing for too long."""
+        timeout = self.gateway.config.server.stalled_client_timeout_s
+        try:
+            await asyncio.wait_for(self._queue.put(item), timeout)
+        except asyncio.TimeoutError:
+            self._status = ClientStalledError.code
+            log.info("request %s (%s): the client took no audio for %.1f s; cutting it off",
+                     self.request.request_id, self.protocol, timeout)
+            while not self._queue.empty():  # nothing queued is owed any more: the consumer finds the error next
+                self._queue.get_nowait()
+            self._queue.put_nowait(ClientStalledError(
+                f"the client took no audio for {timeout:g} s (server.stalled_client_timeout_s)"))
+            self.stalled.set()
+            return False
+        return True
 
     async def start(self, disconnected: Callable[[], Awaitable[object]] | None = None) -> bool:
         """Wait for the first item; raise its error if it is one. False if the client left first."""

@@ -149,7 +149,11 @@ class BodyLimitMiddleware:
 
 
 class SpeechResponse(StreamingResponse):
-    """Streams a SpeechStream and closes it however the response ends (done, error, client gone)."""
+    """Streams a SpeechStream and closes it however the response ends (done, error, client gone).
+
+    A client that stops reading leaves the response waiting for its socket to drain; when the stream
+    reports it stalled (server.stalled_client_timeout_s), the response is abandoned mid-body and
+    uvicorn closes the connection."""
 
     def __init__(self, stream: SpeechStream, content: AsyncIterator[bytes], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
@@ -158,7 +162,15 @@ class SpeechResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         error: BaseException | None = None
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as group:
+
+                async def drop_when_stalled() -> None:
+                    await self.stream.stalled.wait()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(drop_when_stalled)
+                await super().__call__(scope, receive, send)
+                group.cancel_scope.cancel()
         except BaseException as exc:
             error = exc
             raise

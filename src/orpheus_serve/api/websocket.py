@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
@@ -229,13 +230,24 @@ class StreamConnection:
             return
         assert stream is not None
         try:
-            async for data in stream.audio():
-                await self._send_bytes(data)
+            async with anyio.create_task_group() as group:
+
+                async def drop_when_stalled() -> None:
+                    await stream.stalled.wait()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(drop_when_stalled)
+                async for data in stream.audio():
+                    await self._send_bytes(data)
+                group.cancel_scope.cancel()
         except SynthesisError as exc:
             await self._send_error(exc, request_id)
             return
         finally:
             await stream.close()
+        if stream.stalled.is_set():
+            # The client reads nothing (its socket is full): no message can reach it, drop the connection.
+            raise ConnectionAbortedError(f"request {request_id}: the client stopped reading")
         await self._send_json({"done": True, "request_id": request_id, "metrics": stream.metrics_dict()})
 
 

@@ -43,6 +43,7 @@ class CodecResult:
     # Set (with empty pcm and final=True) when decoding this session's batch failed; the
     # session's decoder state is gone and its stream ends here.
     error: str | None = None
+    frames: int = 0  # frames of the push this result answers (set by the codec worker)
 
 
 @runtime_checkable

@@ -2,19 +2,30 @@
 
 Architecture
 ------------
-    engine core thread ──submit(CodecPush)──▶ pending pushes, one entry per session
+    engine core thread ──submit(CodecPush)──▶ pending frames, one entry per session
                                                    │  (condition variable)
                                                    ▼
-                     codec worker thread: take everything pending, across sessions
-                        ├─ close the sessions cancelled since the last round
+                     codec worker thread, one bounded pass at a time:
+                        ├─ close the sessions cancelled since the last pass
+                        ├─ pick at most max_frames_per_pass frames, round-robin
                         ├─ decoder.decode(pushes)  (max_batch pushes per call)
-                        └─ on_result(CodecResult) for each, on this thread
+                        ├─ on_result(CodecResult) for each, on this thread
+                        └─ on_pass(frames, seconds)
 
 `submit` only appends to the pending entry of its session under a lock and
 notifies; it never waits for decoding. Several pushes of one session that
-arrive while the worker is busy are coalesced into one (frames concatenated in
-order, `final` OR-ed), so a slow round makes the next one larger instead of
-queueing many small decodes: the codec degrades into bigger batches under load.
+arrive while the worker is busy are coalesced (frames concatenated in order,
+`final` OR-ed), so a slow pass makes the next one a bigger batch instead of
+many small decodes.
+
+Passes are bounded (DESIGN §5a): a pass decodes at most `max_frames_per_pass`
+frames in all, and each session contributes at most `max_frames_per_session`
+of its pending frames; the rest stays pending, in order, for the next pass.
+Sessions whose audio has not started go first (their client waits for its
+first byte: they may bring their whole first push), then the sessions whose
+clients hold the least audio (`held_audio_s`, the scheduler's playback model),
+then arrival order. So under a backlog no pass decodes minutes of audio, a new
+session's first push is in the next pass, and every session advances.
 The worker sleeps on the condition variable when there is nothing to do.
 
 On CUDA the thread runs every decode on a `torch.cuda.Stream` of its own, so
@@ -27,10 +38,11 @@ Failures stay local: if `decode` raises, each session of that call gets a
 dropped, and the worker carries on with everybody else. An exception raised
 by `on_result` is logged and counted; it does not stop the worker.
 
-`close_session(key)` cancels a session: its pending pushes are discarded, its
-decoder state is dropped on the worker thread before the next decode, results
-still in flight for it are not delivered, and later pushes for the key are
-discarded (keys identify one stream and are not reused after a close).
+`close_session(key)` cancels a session: its pending frames are discarded at
+once (before the next pass), its decoder state is dropped on the worker thread
+before the next decode, results still in flight for it are not delivered, and
+later pushes for the key are discarded (keys identify one stream and are not
+reused after a close).
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -56,24 +68,46 @@ log = logging.getLogger(__name__)
 CLOSED_KEYS_REMEMBERED = 65536
 
 
+_NO_FRAMES = np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
+
+
 @dataclass(slots=True)
 class _Pending:
-    frames: list[np.ndarray] = field(default_factory=list)  # each [n, 7] int64
-    final: bool = False
-    pushes: int = 0
+    frames: list[np.ndarray] = field(default_factory=list)  # each [n, 7] int64, in order
+    arrived: list[float] = field(default_factory=list)  # when each of `frames` was submitted
+    count: int = 0  # frames pending
+    final: bool = False  # the session's final push has arrived
+    pushes: int = 0  # pushes submitted into this entry (counters)
 
-    def to_push(self, key: Hashable) -> CodecPush:
-        if not self.frames:
-            frames = np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
-        elif len(self.frames) == 1:
-            frames = self.frames[0]
-        else:
-            frames = np.concatenate(self.frames, axis=0)
-        return CodecPush(key, frames, self.final)
+    def age_s(self, now: float) -> float:
+        """Age of its oldest pending frame."""
+        return now - self.arrived[0] if self.arrived else 0.0
+
+    def take(self, key: Hashable, limit: int) -> CodecPush:
+        """The first `limit` pending frames as one push; final only with the last frame taken."""
+        taken: list[np.ndarray] = []
+        need = limit
+        while self.frames and need > 0:
+            head = self.frames[0]
+            if head.shape[0] <= need:
+                taken.append(self.frames.pop(0))
+                self.arrived.pop(0)
+                need -= head.shape[0]
+            else:
+                taken.append(head[:need])
+                self.frames[0] = head[need:]
+                need = 0
+        n = limit - need
+        self.count -= n
+        frames = _NO_FRAMES if not taken else taken[0] if len(taken) == 1 else np.concatenate(taken, axis=0)
+        return CodecPush(key, frames, self.final and self.count == 0)
 
 
 @dataclass(slots=True)
 class _Counters:
+    passes: int = 0  # bounded passes run
+    max_pass_frames: int = 0  # the most frames any pass held
+    last_pass_frames: int = 0
     batches: int = 0  # decoder.decode calls
     pushes: int = 0  # pushes decoded (as submitted, before coalescing)
     coalesced_pushes: int = 0  # pushes handed to the decoder (after coalescing)
@@ -93,20 +127,31 @@ class CodecWorker:
         on_result: Callable[[CodecResult], None],
         *,
         max_batch: int = 64,
+        max_frames_per_pass: int = 64,
+        max_frames_per_session: int = 4,
+        held_audio_s: Callable[[list[Hashable]], list[float]] | None = None,
+        on_pass: Callable[[int, float], None] | None = None,
         device: str | torch.device = "cpu",
         name: str = "codec-worker",
     ) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
+        """`held_audio_s(keys)`: audio each session's client holds (orders the sessions of a pass);
+        `on_pass(frames, seconds)`: called after each pass (capacity measurement, wake-ups)."""
+        if max_batch < 1 or max_frames_per_pass < 1 or max_frames_per_session < 1:
+            raise ValueError("max_batch, max_frames_per_pass and max_frames_per_session must be >= 1")
         self.decoder = decoder
         self.on_result = on_result
         self.max_batch = max_batch
+        self.max_frames_per_pass = max_frames_per_pass
+        self.max_frames_per_session = max_frames_per_session
+        self.held_audio_s = held_audio_s
+        self.on_pass = on_pass
         self.device = torch.device(device)
         self.name = name
         self._cond = threading.Condition()
         self._pending: dict[Hashable, _Pending] = {}  # insertion order = arrival order
         self._to_close: list[Hashable] = []
         self._closed: OrderedDict[Hashable, None] = OrderedDict()
+        self._started: set[Hashable] = set()  # sessions whose audio has begun (worker thread only)
         self._stopping = False
         self._drain = True
         self._thread: threading.Thread | None = None
@@ -138,6 +183,8 @@ class CodecWorker:
                 raise ValueError(f"push for session {push.key!r} after its final push")
             if frames.shape[0]:
                 entry.frames.append(frames)
+                entry.arrived.append(time.monotonic())
+                entry.count += int(frames.shape[0])
             entry.final = entry.final or push.final
             entry.pushes += 1
             self._cond.notify()
@@ -167,7 +214,14 @@ class CodecWorker:
     def stats(self) -> dict[str, float | int]:
         with self._cond:
             c = self._counters
+            now = time.monotonic()
             return {
+                "passes": c.passes,
+                "max_pass_frames": c.max_pass_frames,
+                "last_pass_frames": c.last_pass_frames,
+                "max_frames_per_pass": self.max_frames_per_pass,
+                "backlog_frames": sum(e.count for e in self._pending.values()),
+                "oldest_pending_s": round(max((e.age_s(now) for e in self._pending.values()), default=0.0), 4),
                 "batches": c.batches,
                 "pushes": c.pushes,
                 "coalesced_pushes": c.coalesced_pushes,
@@ -179,9 +233,13 @@ class CodecWorker:
                 "queued_sessions": len(self._pending),
             }
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def backlog(self) -> tuple[int, float]:
+        """(frames pending, age in seconds of the oldest pending frame): is the codec behind?"""
+        with self._cond:
+            now = time.monotonic()
+            frames = sum(e.count for e in self._pending.values())
+            oldest = max((e.age_s(now) for e in self._pending.values()), default=0.0)
+            return frames, oldest
 
     # ------------------------------------------------------------ worker side
 
@@ -200,14 +258,27 @@ class CodecWorker:
 
     def _run(self) -> None:
         with self._stream_context():
-            for closes, batch in self._rounds():
+            for closes, batch in self._passes():
                 for key in closes:
                     self.decoder.close(key)
+                    self._started.discard(key)
+                if not batch:
+                    continue
+                started = time.perf_counter()
                 for start in range(0, len(batch), self.max_batch):
                     self._decode_group(batch[start : start + self.max_batch])
+                elapsed = time.perf_counter() - started
+                frames = sum(int(push.frames.shape[0]) for push, _ in batch)
+                with self._cond:
+                    c = self._counters
+                    c.passes += 1
+                    c.last_pass_frames = frames
+                    c.max_pass_frames = max(c.max_pass_frames, frames)
+                if self.on_pass is not None:
+                    self.on_pass(frames, elapsed)
 
-    def _rounds(self) -> Iterator[tuple[list[Hashable], list[tuple[CodecPush, int]]]]:
-        """Each round: the sessions to close and every pending push, taken atomically."""
+    def _passes(self) -> Iterator[tuple[list[Hashable], list[tuple[CodecPush, int]]]]:
+        """Each pass: the sessions to close and a bounded selection of pending frames (see module doc)."""
         while True:
             with self._cond:
                 while not self._pending and not self._to_close and not self._stopping:
@@ -216,17 +287,48 @@ class CodecWorker:
                     self._counters.dropped_pushes += sum(e.pushes for e in self._pending.values())
                     self._pending.clear()
                 closes, self._to_close = self._to_close, []
-                pending, self._pending = self._pending, {}
-                if self._stopping and not pending and not closes:
+                if self._stopping and not self._pending and not closes:
                     return
-                batch = [(entry.to_push(key), entry.pushes) for key, entry in pending.items()]
-            yield closes, batch
+                keys = [k for k in self._pending if k in self._started]
+            # Asked outside the lock: the scheduler takes its own lock, and submit() must never wait on it.
+            held = self.held_audio_s(keys) if self.held_audio_s is not None and keys else [0.0] * len(keys)
+            with self._cond:
+                yield closes, self._select(dict(zip(keys, held, strict=True)))
+
+    def _select(self, held: dict[Hashable, float]) -> list[tuple[CodecPush, int]]:
+        """Take at most max_frames_per_pass frames from the pending entries (caller holds the lock)."""
+        arrival = {key: i for i, key in enumerate(self._pending)}
+
+        def rank(key: Hashable) -> tuple[int, float, int]:
+            if key not in self._started:
+                return (0, 0.0, arrival[key])  # no audio yet: its client waits for the first byte
+            return (1, held.get(key, 0.0), arrival[key])
+
+        budget = self.max_frames_per_pass
+        batch: list[tuple[CodecPush, int]] = []
+        for key in sorted(self._pending, key=rank):
+            entry = self._pending[key]
+            share = entry.count if key not in self._started else min(entry.count, self.max_frames_per_session)
+            take = min(share, budget)
+            if take == 0 and not (entry.final and entry.count == 0):
+                if budget == 0:
+                    break
+                continue
+            pushes = entry.pushes
+            push = entry.take(key, take)
+            entry.pushes = 0
+            if entry.count == 0:
+                del self._pending[key]
+            batch.append((push, pushes))
+            budget -= take
+        return batch
 
     def _decode_group(self, group: list[tuple[CodecPush, int]]) -> None:
         pushes = [push for push, _ in group]
         started = time.perf_counter()
         try:
-            results = self.decoder.decode(pushes)
+            results = [replace(r, frames=int(p.frames.shape[0]))
+                       for r, p in zip(self.decoder.decode(pushes), pushes, strict=True)]
             failure: BaseException | None = None
         except Exception as exc:
             failure = exc
@@ -254,6 +356,10 @@ class CodecWorker:
                         c.dropped_pushes += late.pushes
             deliver = [r for r in results if r.key not in cancelled]
         for result in deliver:
+            if result.pcm.size:
+                self._started.add(result.key)
+            if result.final:
+                self._started.discard(result.key)
             try:
                 self.on_result(result)
             except Exception:

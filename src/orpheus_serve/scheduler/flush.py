@@ -72,13 +72,21 @@ class FrameBuffer:
             self._pending.append(frames)
             self._pending_frames += int(frames.shape[0])
 
-    def take_ready(self, *, eager: bool = False, every_frames: int | None = None) -> np.ndarray | None:
+    @property
+    def generated_frames(self) -> int:
+        """Whole frames parsed so far, pushed or not."""
+        return self.flushed_frames + self._pending_frames
+
+    def take_ready(self, *, eager: bool = False, every_frames: int | None = None,
+                   first_frames: int | None = None) -> np.ndarray | None:
         """Every pending frame if the policy says a push is due now, else None.
         `eager`: the client's buffer is thin, push any whole frame (after the first push).
-        `every_frames`: a larger push size while the client's buffer is deep (fewer, bigger chunks)."""
+        `every_frames`: a larger push size while the client's buffer is deep (fewer, bigger chunks).
+        `first_frames`: frames the first push needs, when the scheduler sizes it from measured
+        load (never fewer than the policy's)."""
         needed = 1 if eager else (every_frames or self.policy.every_frames)
         if self.flushes == 0:
-            needed = self.policy.first_frames
+            needed = max(self.policy.first_frames, first_frames or 0)
         if self._pending_frames < needed:
             return None
         return self._take()

@@ -26,6 +26,30 @@ its arrival) or holding one longer than `session_timeout_s` (from its
 admission) ends with "timeout". `submit()` refuses at once (QueueFullError,
 with a retry hint) when every slot is taken and `max_queue` requests wait.
 
+Flow control (DESIGN §5a), with playback time as the unit:
+
+- Backpressure: a decoding session is left out of the step while it has
+  `max_undecoded_frames` generated but not decoded (and some of them are at
+  the codec, so the codec's feedback will resume it), while its socket has not
+  taken `max_server_buffer_s` of decoded audio (a slow reader), or while its
+  client holds more than `max_client_buffer_s` unplayed. It keeps its slot.
+  The codec reports decoded frames (`note_decoded`) and the service reports
+  what the client took (`note_delivered`); the playback model, and so the
+  `deadline` policy, runs on delivered audio. Without that feedback
+  (`delivery_feedback=False`: unit tests, the virtual-clock simulation) a push
+  counts as decoded and delivered the moment it leaves.
+- Capacity-aware admission: the engine core reports each loop period
+  (`record_step_time`) and the codec each pass (`record_codec_pass`) to a
+  `CapacityModel`. A new session is admitted only while the streams that need
+  real-time production (all admitted sessions but paused slow readers) stay
+  under the measured capacity; otherwise it waits (`admission: queue`) or is
+  refused at submit (`admission: reject`). Continuation chunks of a stream
+  already playing are not new streams and skip the check.
+- The first push is sized from the measured load: its audible part covers
+  `first_chunk_safety` times the wait for the next frame (7 token intervals
+  plus the codec's latency), so a stream produced at real time does not run
+  dry right after its first audio.
+
 Events (`events.py`) are what the caller acts on: FramesReady for the codec,
 SessionFinished / SessionFailed for the client. Events that arise outside
 `update()` (cancel, timeouts found in `schedule()`) are queued and returned by
@@ -49,8 +73,9 @@ import numpy as np
 
 from ..config import SchedulerConfig
 from ..engines.base import PrefillChunk, StepOutput, StepPlan
-from ..protocol import FRAME_SECONDS, TOKENS_PER_FRAME, ProtocolError
+from ..protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
 from ..synthesis import InvalidRequestError, QueueFullError
+from .capacity import CapacityEstimate, CapacityModel
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flush import FlushPolicy, FrameBuffer
 from .policy import SchedulingPolicy, make_policy
@@ -89,6 +114,32 @@ class SchedulerStats:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class FlowStats:
+    """Flow control at a glance (the `flow` section of /v1/stats)."""
+
+    admission: str  # queue | reject
+    capacity_streams: int | None  # real-time streams the measured pipeline sustains (None: not measured yet)
+    engine_capacity_streams: int | None
+    codec_capacity_streams: int | None
+    demand_streams: int  # admitted sessions that need real-time production (paused slow readers excluded)
+    admission_open: bool  # a new session would be admitted now
+    predicted_step_ms: float | None
+    predicted_codec_pass_ms: float | None
+    paused_codec: int  # sessions waiting for the codec to catch up
+    paused_client_buffer: int  # sessions whose client holds max_client_buffer_s
+    paused_server_buffer: int  # sessions whose socket has not taken max_server_buffer_s (slow readers)
+    max_undecoded_frames: int  # the most frames any live session has generated but not decoded
+    in_codec_frames: int  # frames pushed to the codec and not decoded, all sessions
+    backpressure_skips: int  # session-steps skipped by backpressure since start
+    admission_waits: int  # steps that left a session queued for capacity with a slot free
+    first_push_frames_last: int | None  # the last first push's size, frames
+    first_push_frames_mean: float | None
+
+    def as_dict(self) -> dict[str, int | float | str | bool | None]:
+        return asdict(self)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -98,13 +149,31 @@ class Scheduler:
         lookahead_frames: int = 0,
         clock: Callable[[], float] = time.monotonic,
         max_seq_len: int | None = None,
+        lookahead_samples: int | None = None,
+        delivery_feedback: bool = False,
+        max_frames_per_pass: int = 64,
     ) -> None:
+        """`lookahead_samples`: audio the decoder holds back until later frames arrive (defaults to
+        `lookahead_frames` whole frames). `delivery_feedback`: the caller reports decoded frames and
+        delivered audio (`note_decoded`, `note_delivered`); otherwise a push counts as both at once."""
         self._config = config
         self._clock = clock
         self._max_seq_len = max_seq_len
         self._batch_limit = min(config.max_batch_size, num_slots)
         self._slots = SlotAllocator(num_slots)
         self._flush_policy = FlushPolicy.from_config(config, lookahead_frames)
+        if self._flush_policy.first_frames > config.max_undecoded_frames:
+            raise ValueError(f"the first push needs {self._flush_policy.first_frames} frames, more than "
+                             f"scheduler.max_undecoded_frames={config.max_undecoded_frames}")
+        self._lookahead_samples = lookahead_frames * SAMPLES_PER_FRAME if lookahead_samples is None \
+            else lookahead_samples
+        self._feedback = delivery_feedback
+        self._capacity = CapacityModel(max_batch=self._batch_limit, max_frames_per_pass=max_frames_per_pass,
+                                       headroom=config.admission_headroom)
+        self._estimate: CapacityEstimate | None = None  # cached for the current step
+        self._estimate_step = -1
+        self._plan_load: tuple[StepPlan, int, int, int, int] | None = None  # plan, batch, context, prefill, streams
+        self._mean_context = 0.0
         self._policy: SchedulingPolicy = make_policy(
             config, first_push_tokens=self._flush_policy.first_frames * TOKENS_PER_FRAME
         )
@@ -127,6 +196,11 @@ class Scheduler:
         self._decoded_sessions = 0
         self._stray_tokens = 0
         self._counts = {"finished": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "rejected": 0}
+        self._backpressure_skips = 0
+        self._admission_waits = 0
+        self._first_push_last: int | None = None
+        self._first_push_total = 0
+        self._first_push_count = 0
 
     # ------------------------------------------------------------ request side
 
@@ -161,6 +235,17 @@ class Scheduler:
                 raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
             free = self._slots.free_count + len(self._pending_release)
             queued = len(self._waiting) - free  # waiting requests that no free slot will take
+            if self._config.admission == "reject" and req.playback_start_s is None:
+                # Behind a load balancer: never queue for capacity, refuse at once so the client goes elsewhere.
+                capacity = self._current_estimate().max_streams
+                if capacity is not None and self._demand_streams(self._clock()) + len(self._waiting) >= capacity:
+                    self._counts["rejected"] += 1
+                    retry = self._retry_after_s(len(self._waiting))
+                    raise QueueFullError(
+                        f"server at capacity: {capacity} real-time streams are running (scheduler.admission="
+                        f"reject); retry in {retry:.1f} s",
+                        retry_after_s=retry,
+                    )
             if queued >= self._config.max_queue:
                 self._counts["rejected"] += 1
                 retry = self._retry_after_s(queued)
@@ -214,11 +299,20 @@ class Scheduler:
                 self._slots.free(slot)
             plan.release, self._pending_release = self._pending_release, []
 
-            decoding = [s for s in self._admitted.values() if s.state is SessionState.DECODING]
+            decoding = []
+            for session in self._admitted.values():
+                if session.state is SessionState.DECODING:
+                    if self._pause_reason(session, now) is None:
+                        decoding.append(session)
+                    else:
+                        self._backpressure_skips += 1
             chosen = self._policy.select(decoding, self._batch_limit, now)
             plan.decode = sorted(s.slot for s in chosen if s.slot is not None)
 
             self._plan_prefill(plan, now)
+            context = sum(s.prompt_len + s.generated for s in chosen)
+            prefill = sum(c.end - c.start for c in plan.prefill)
+            self._plan_load = (plan, len(plan.decode), context, prefill, len(self._admitted))
 
             for session in self._admitted.values():
                 priority = session.engine_priority
@@ -278,6 +372,85 @@ class Scheduler:
             events, self._events = self._events, []
             return events
 
+    # ------------------------------------------------------------ feedback
+
+    def record_step_time(self, plan: StepPlan, seconds: float) -> None:
+        """The engine core's loop period around `plan` (schedule -> step -> update -> dispatch)."""
+        with self._lock:
+            load = self._plan_load
+            if load is None or load[0] is not plan:
+                return
+            _, batch, context, prefill, streams = load
+            self._capacity.observe_step(batch, context, prefill, seconds, streams=streams)
+            if batch:
+                self._mean_context = 0.95 * self._mean_context + 0.05 * (context / batch) if self._mean_context \
+                    else context / batch
+
+    def record_codec_pass(self, frames: int, seconds: float) -> None:
+        """One codec worker pass: `frames` decoded in `seconds`."""
+        with self._lock:
+            self._capacity.observe_codec_pass(frames, seconds)
+
+    def note_decoded(self, request_id: str, frames: int, samples: int) -> None:
+        """The codec ran `frames` more frames of this session and returned `samples` of audio."""
+        with self._lock:
+            session = self._admitted.get(request_id)
+            if session is not None:
+                session.record_decoded(frames, samples)
+
+    def note_delivered(self, request_id: str, samples: int) -> None:
+        """The client's socket took `samples` more audio of this session."""
+        with self._lock:
+            session = self._admitted.get(request_id)
+            if session is not None:
+                session.record_delivery(self._clock(), samples)
+
+    def client_held_s(self, request_ids: list[str]) -> list[float]:
+        """Audio each client holds unplayed (0 before first audio and for ended sessions), for the codec's
+        pass order: the clients closest to running dry go first."""
+        with self._lock:
+            now = self._clock()
+            out = []
+            for request_id in request_ids:
+                session = self._admitted.get(request_id)
+                held = None if session is None else session.client_held_s(now)
+                out.append(0.0 if held is None else held)
+            return out
+
+    def flow_stats(self) -> FlowStats:
+        with self._lock:
+            now = self._clock()
+            estimate = self._current_estimate()
+            reasons = {"codec": 0, "client_buffer": 0, "server_buffer": 0}
+            max_undecoded = in_codec = 0
+            for session in self._admitted.values():
+                reason = self._pause_reason(session, now) if session.state is SessionState.DECODING else None
+                if reason is not None:
+                    reasons[reason] += 1
+                max_undecoded = max(max_undecoded, session.undecoded_frames)
+                in_codec += session.in_codec_frames
+            demand = self._demand_streams(now)
+            return FlowStats(
+                admission=self._config.admission,
+                capacity_streams=estimate.max_streams,
+                engine_capacity_streams=estimate.engine_streams,
+                codec_capacity_streams=estimate.codec_streams,
+                demand_streams=demand,
+                admission_open=estimate.max_streams is None or demand < estimate.max_streams,
+                predicted_step_ms=estimate.step_ms,
+                predicted_codec_pass_ms=estimate.codec_pass_ms,
+                paused_codec=reasons["codec"],
+                paused_client_buffer=reasons["client_buffer"],
+                paused_server_buffer=reasons["server_buffer"],
+                max_undecoded_frames=max_undecoded,
+                in_codec_frames=in_codec,
+                backpressure_skips=self._backpressure_skips,
+                admission_waits=self._admission_waits,
+                first_push_frames_last=self._first_push_last,
+                first_push_frames_mean=round(self._first_push_total / self._first_push_count, 3)
+                if self._first_push_count else None,
+            )
+
     def session_state(self, request_id: str) -> SessionState | None:
         """State of a live session; None once it has ended (or was never submitted)."""
         with self._lock:
@@ -323,8 +496,19 @@ class Scheduler:
                 return
             if session.state is SessionState.PREFILLING and session.prefilled < session.prompt_len:
                 budget -= self._add_chunk(plan, session, budget)
-        while budget > 0 and self._waiting and self._slots.free_count:
-            session = self._waiting.pop(next(iter(self._waiting)))
+        if budget <= 0 or not self._waiting or not self._slots.free_count:
+            return
+        capacity = self._current_estimate().max_streams
+        demand = self._demand_streams(now) if capacity is not None else 0
+        for session in list(self._waiting.values()):
+            if budget <= 0 or not self._slots.free_count:
+                return
+            continuation = session.request.playback_start_s is not None
+            if capacity is not None and not continuation and demand >= capacity:
+                self._admission_waits += 1
+                continue  # over capacity: new streams wait; continuations of playing streams go on
+            demand += 1
+            del self._waiting[session.request_id]
             slot = self._slots.allocate()
             assert slot is not None  # free_count was checked
             session.slot = slot
@@ -409,15 +593,23 @@ class Scheduler:
         elif outcome is not None:
             self._complete(session, outcome, now, events)
         else:
+            if session.first_frames is None and session.buffer.pending_frames >= self._flush_policy.first_frames:
+                session.first_frames = self._first_push_frames()
             ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now),
-                                              every_frames=self._push_frames(session, now))
+                                              every_frames=self._push_frames(session, now),
+                                              first_frames=session.first_frames)
             if ready is not None:
-                session.record_flush(now, int(ready.shape[0]), final=False)
+                if session.buffer.flushes == 1:
+                    self._first_push_last = int(ready.shape[0])
+                    self._first_push_total += self._first_push_last
+                    self._first_push_count += 1
+                self._pushed(session, ready, now, final=False)
                 events.append(FramesReady(session.request_id, ready, final=False))
 
     def _push_frames(self, session: Session, now: float) -> int:
         """Frames per regular push: the policy's, doubled (up to 4×) while the client holds at least
-        twice the larger push, so a deep buffer takes fewer, bigger chunks."""
+        twice the larger push, so a deep buffer takes fewer, bigger chunks. Never more than the
+        codec backlog a session may have (max_undecoded_frames)."""
         every = self._flush_policy.every_frames
         if session.playback_end_s is None:
             return every
@@ -425,19 +617,73 @@ class Scheduler:
         multiple = 1
         while multiple < _MAX_PUSH_MULTIPLE and held_pushes >= 4 * multiple:
             multiple *= 2
-        return every * multiple
+        return min(every * multiple, self._config.max_undecoded_frames)
+
+    def _first_push_frames(self) -> int:
+        """Frames the first push waits for, so that its audible part covers `first_chunk_safety` times
+        the wait for the next frame at the measured load (7 token intervals + the codec's latency).
+        With headroom this is the policy's minimum; under load it grows by a frame or two."""
+        minimum = self._flush_policy.first_frames
+        streams = len(self._admitted)
+        interval = self._capacity.token_interval_s(streams, self._mean_context)
+        codec = self._capacity.codec_latency_s()
+        if interval is None or codec is None:
+            return minimum
+        wait_s = self._config.first_chunk_safety * (TOKENS_PER_FRAME * interval + codec)
+        needed = math.ceil((wait_s * SAMPLE_RATE + self._lookahead_samples) / SAMPLES_PER_FRAME)
+        return max(minimum, min(needed, self._config.max_undecoded_frames))
+
+    def _pushed(self, session: Session, frames: np.ndarray, now: float, *, final: bool) -> None:
+        """Frames left for the codec. Without feedback they count as decoded and delivered at once
+        (an ideal codec and client: what the audible part of the push would add)."""
+        session.record_flush(now)
+        if self._feedback:
+            return
+        policy = self._flush_policy
+        count = int(frames.shape[0])
+        after = session.buffer.flushed_frames
+        audible = (policy.audible_frames(after, final) - policy.audible_frames(after - count, False))
+        samples = audible * SAMPLES_PER_FRAME
+        session.record_decoded(count, samples)
+        session.record_delivery(now, samples)
+
+    def _pause_reason(self, session: Session, now: float) -> str | None:
+        """Why a decoding session gets no token this step, or None (DESIGN §5a backpressure)."""
+        config = self._config
+        # Only while some frames are at the codec: its feedback is what resumes the session.
+        if session.in_codec_frames > 0 and session.undecoded_frames >= config.max_undecoded_frames:
+            return "codec"
+        if session.server_buffered_s > config.max_server_buffer_s:
+            return "server_buffer"
+        held = session.client_held_s(now)
+        if held is not None and held > config.max_client_buffer_s:
+            return "client_buffer"
+        return None
+
+    def _demand_streams(self, now: float) -> int:
+        """Admitted sessions that need real-time production: a slow reader whose socket has not taken
+        its server-side buffer consumes no engine steps and does not count."""
+        return sum(1 for s in self._admitted.values() if s.server_buffered_s <= self._config.max_server_buffer_s)
+
+    def _current_estimate(self) -> CapacityEstimate:
+        if self._estimate is None or self._estimate_step != self._step:
+            self._estimate = self._capacity.estimate(mean_context=self._mean_context, streams=len(self._admitted),
+                                                     limit=self.num_slots)
+            self._estimate_step = self._step
+        return self._estimate
 
     def _buffer_is_thin(self, session: Session, now: float) -> bool:
         """The client holds less audio than one regular push: frames should go out one by one."""
         if session.playback_end_s is None:
-            return False
+            # After the first push and before its audio reached the client, the buffer is as thin as it gets.
+            return session.first_flush_at is not None
         # (less a microsecond, so that exactly one push's worth, summed frame by frame, is not thin)
         return session.playback_end_s - now < self._flush_policy.every_frames * FRAME_SECONDS - 1e-6
 
     def _complete(self, session: Session, reason: str, now: float, events: list[SchedulerEvent]) -> None:
         """stop / length: hand out every frame left, then end."""
         frames = session.buffer.take_final()
-        session.record_flush(now, int(frames.shape[0]), final=True)
+        self._pushed(session, frames, now, final=True)
         events.append(FramesReady(session.request_id, frames, final=True))
         self._end(session, SessionState.FINISHED, reason, now, events)
 

@@ -6,8 +6,16 @@
                                                  finished (stop | length) | failed
 
 A session owns a KV-cache slot from its first prefill chunk until it leaves
-the live states. It also keeps the client's playback model that the
-`deadline` policy schedules by: when the client's buffer would run dry.
+the live states. It also keeps its place in the pipeline (DESIGN §5a), in
+frames and samples:
+
+    generated ─▶ pushed to the codec ─▶ decoded ─▶ delivered to the client ─▶ played
+    (parser)     (flushed_frames)       (codec      (the gateway took it)      (client clock:
+                                         feedback)                             first byte + time)
+
+and the client's playback model that the `deadline` policy and flow control
+schedule by: when the client's buffer runs dry, from the audio actually
+delivered.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..engines.base import SamplingParams
-from ..protocol import FRAME_SECONDS, FrameParser
+from ..protocol import SAMPLE_RATE, FrameParser
 from .flush import FrameBuffer
 
 PRIORITY_FIRST_AUDIO = 1.0  # engine priority before a session's first audio (TTFB boost)
@@ -73,6 +81,10 @@ class Session:
     # first audio of a session that starts a stream (it is then the most urgent).
     playback_end_s: float | None = None
     stalls: int = 0  # times the playback model ran dry before more audio arrived
+    decoded_frames: int = 0  # frames the codec has run (its lookahead is not audible until the final push)
+    decoded_samples: int = 0  # audio the codec returned
+    delivered_samples: int = 0  # audio the client's socket has taken
+    first_frames: int | None = None  # frames its first push waits for, sized from the measured load
 
     def __post_init__(self) -> None:
         req = self.request
@@ -103,23 +115,47 @@ class Session:
     def deadline_s(self) -> float | None:
         return self.playback_end_s
 
-    def record_flush(self, now: float, frames: int, final: bool) -> None:
-        """`frames` more frames were just pushed to the codec: advance the playback model.
+    # ------------------------------------------------------------ flow state
 
-        Only audible frames count (the codec holds back its lookahead until the
-        final push). A client whose buffer ran dry before `now` restarts playback
-        when this audio arrives, so the deadline moves from `now`, not from the
-        moment it stalled: a stalled stream is not forever the most urgent.
-        The stall is counted: the `deadline` policy ranks stalled streams apart."""
-        policy = self.buffer.policy
-        after = self.buffer.flushed_frames
-        audible_before = policy.audible_frames(after - frames, final=False)
-        gained = (policy.audible_frames(after, final) - audible_before) * FRAME_SECONDS
+    @property
+    def undecoded_frames(self) -> int:
+        """Frames generated (pushed or not) that the codec has not run yet."""
+        return self.buffer.generated_frames - self.decoded_frames
+
+    @property
+    def in_codec_frames(self) -> int:
+        """Frames pushed to the codec and not decoded yet."""
+        return self.buffer.flushed_frames - self.decoded_frames
+
+    @property
+    def server_buffered_s(self) -> float:
+        """Decoded audio its client has not taken yet (held by the server for a slow reader)."""
+        return max(0, self.decoded_samples - self.delivered_samples) / SAMPLE_RATE
+
+    def client_held_s(self, now: float) -> float | None:
+        """Audio the client holds unplayed; None before its first audio."""
+        return None if self.playback_end_s is None else max(0.0, self.playback_end_s - now)
+
+    def record_flush(self, now: float) -> None:
+        """Frames went to the codec (the first time marks the end of the TTFB priority)."""
         if self.first_flush_at is None:
             self.first_flush_at = now
-        if gained <= 0:
+
+    def record_decoded(self, frames: int, samples: int) -> None:
+        self.decoded_frames += frames
+        self.decoded_samples += samples
+
+    def record_delivery(self, now: float, samples: int) -> None:
+        """The client took `samples` more audio: advance the playback model.
+
+        A client whose buffer ran dry before `now` restarts playback when this
+        audio arrives, so the deadline moves from `now`, not from the moment it
+        stalled: a stalled stream is not forever the most urgent. The stall is
+        counted: the `deadline` policy ranks stalled streams apart."""
+        if samples <= 0:
             return
+        self.delivered_samples += samples
         if self.playback_end_s is not None and self.playback_end_s < now:
             self.stalls += 1
         start = now if self.playback_end_s is None else max(self.playback_end_s, now)
-        self.playback_end_s = start + gained
+        self.playback_end_s = start + samples / SAMPLE_RATE

@@ -1,0 +1,229 @@
+"""A running measure of what the pipeline sustains, for admission and first-chunk sizing (DESIGN §5a).
+
+Two cost models are fitted online from what the engine core and the codec
+worker observe, by exponentially weighted least squares (old observations fade
+with `forget` per observation, so the model follows a warming GPU or a noisy
+neighbour):
+
+    engine loop period  step_s = a + b * batch + c * context_tokens + d * prefill_tokens
+    codec pass          pass_s = e + f * frames
+
+`step_s` is the whole period of the engine core loop around one step
+(schedule, engine step, update, dispatch): what a stream really waits between
+two of its tokens. One real-time stream needs a frame (7 tokens) every
+`FRAME_SECONDS` (85.3 ms): 82 tokens/s.
+
+`max_streams(mean_context)` is the largest number of streams that all stay
+real-time with `headroom` to spare:
+
+    engine:  with n streams and at most B per step, each stream gets a token
+             every step_s(min(n, B)) * ceil(n / B) seconds;
+    codec:   n streams need n / FRAME_SECONDS frames per second; a pass of at
+             most F frames decodes F / pass_s(F) frames per second.
+
+Extrapolation is kept honest: the fit only knows the loads it has seen, so
+the estimate never runs more than `probe_factor` past the most streams it has
+measured at once (a new deployment ramps up as it measures, instead of
+admitting 200 streams on the strength of one).
+
+Pure Python and numpy; the scheduler owns one and the engine core and codec
+worker feed it through the scheduler's lock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..protocol import FRAME_SECONDS, TOKENS_PER_FRAME
+
+# Feature scales: keep the normal equations well conditioned (batch ~1..512, context ~1e2..1e6 tokens).
+_CTX_SCALE = 1e-4
+_PREFILL_SCALE = 1e-2
+_RIDGE = 1e-6  # keeps the solve defined before the features vary; negligible once they do
+_MIN_OBSERVATIONS = 8
+
+
+class _OnlineLinearFit:
+    """Exponentially weighted least squares with non-negative slopes."""
+
+    def __init__(self, n_features: int, forget: float) -> None:
+        self._forget = forget
+        self._xtx = np.zeros((n_features, n_features))
+        self._xty = np.zeros(n_features)
+        self._weight = 0.0
+        self.observations = 0
+        self._coef: np.ndarray | None = None
+
+    def add(self, x: np.ndarray, y: float) -> None:
+        self._xtx *= self._forget
+        self._xty *= self._forget
+        self._weight = self._weight * self._forget + 1.0
+        self._xtx += np.outer(x, x)
+        self._xty += x * y
+        self.observations += 1
+        self._coef = None
+
+    @property
+    def coef(self) -> np.ndarray | None:
+        if self.observations < _MIN_OBSERVATIONS:
+            return None
+        if self._coef is None:
+            self._coef = self._solve()
+        return self._coef
+
+    def _solve(self) -> np.ndarray:
+        n = self._xty.shape[0]
+        active = list(range(n))
+        coef = np.zeros(n)
+        # Drop slopes that come out negative (noise on a feature that barely varied) and refit:
+        # a step never gets cheaper with more work.
+        for _ in range(n):
+            idx = np.array(active)
+            a = self._xtx[np.ix_(idx, idx)] + _RIDGE * self._weight * np.eye(len(idx))
+            sol = np.linalg.solve(a, self._xty[idx])
+            negative = [i for i, v in zip(active, sol, strict=True) if i > 0 and v < 0]
+            if not negative:
+                coef[:] = 0.0
+                coef[idx] = sol
+                break
+            active = [i for i in active if i not in negative]
+        coef[0] = max(coef[0], 0.0)
+        return coef
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityEstimate:
+    max_streams: int | None  # None until both models have enough observations
+    engine_streams: int | None  # the engine's bound alone
+    codec_streams: int | None  # the codec's bound alone
+    step_ms: float | None  # predicted loop period at the current load
+    codec_pass_ms: float | None  # predicted pass at the current load
+
+
+class CapacityModel:
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        max_frames_per_pass: int,
+        headroom: float = 0.15,
+        forget: float = 0.995,
+        probe_factor: float = 1.25,
+        probe_min: int = 4,
+    ) -> None:
+        self.max_batch = max_batch
+        self.max_frames_per_pass = max_frames_per_pass
+        self.headroom = headroom
+        self.probe_factor = probe_factor
+        self.probe_min = probe_min
+        self._engine = _OnlineLinearFit(4, forget)
+        self._codec = _OnlineLinearFit(2, forget)
+        self._max_streams_seen = 0
+        self._recent_pass_s: float | None = None
+
+    # ------------------------------------------------------------ observations
+
+    def observe_step(self, batch: int, context_tokens: int, prefill_tokens: int, seconds: float, *,
+                     streams: int) -> None:
+        """One loop period: `batch` sessions decoded over `context_tokens` of context in all,
+        `prefill_tokens` prompt ids prefilled, while `streams` sessions held slots."""
+        if seconds <= 0 or batch + prefill_tokens <= 0:
+            return
+        self._engine.add(self._step_features(batch, context_tokens, prefill_tokens), seconds)
+        self._max_streams_seen = max(self._max_streams_seen, streams)
+
+    def observe_codec_pass(self, frames: int, seconds: float) -> None:
+        if seconds <= 0 or frames <= 0:
+            return
+        self._codec.add(np.array([1.0, float(frames)]), seconds)
+        self._recent_pass_s = seconds if self._recent_pass_s is None else 0.8 * self._recent_pass_s + 0.2 * seconds
+
+    # ------------------------------------------------------------ predictions
+
+    @staticmethod
+    def _step_features(batch: int, context_tokens: int, prefill_tokens: int) -> np.ndarray:
+        return np.array([1.0, float(batch), context_tokens * _CTX_SCALE, prefill_tokens * _PREFILL_SCALE])
+
+    def step_s(self, batch: int, mean_context: float, prefill_tokens: int = 0) -> float | None:
+        coef = self._engine.coef
+        if coef is None:
+            return None
+        return float(coef @ self._step_features(batch, int(batch * mean_context), prefill_tokens))
+
+    def pass_s(self, frames: int) -> float | None:
+        coef = self._codec.coef
+        if coef is None:
+            return None
+        return float(coef[0] + coef[1] * frames)
+
+    def token_interval_s(self, streams: int, mean_context: float) -> float | None:
+        """Seconds between two tokens of one stream when `streams` share the engine."""
+        streams = max(streams, 1)
+        batch = min(streams, self.max_batch)
+        step = self.step_s(batch, mean_context)
+        if step is None:
+            return None
+        return step * math.ceil(streams / self.max_batch)
+
+    def codec_latency_s(self) -> float | None:
+        """Push -> audio: the pass in progress, then the one that takes the push."""
+        if self._recent_pass_s is None:
+            return None
+        return 2.0 * self._recent_pass_s
+
+    def _engine_ok(self, streams: int, mean_context: float) -> bool | None:
+        interval = self.token_interval_s(streams, mean_context)
+        if interval is None:
+            return None
+        return interval * TOKENS_PER_FRAME * (1.0 + self.headroom) <= FRAME_SECONDS
+
+    def _codec_streams(self) -> int | None:
+        frames = self.max_frames_per_pass
+        seconds = self.pass_s(frames)
+        if seconds is None:
+            return None
+        if seconds <= 0:
+            return None
+        frames_per_s = frames / seconds
+        return int(frames_per_s * FRAME_SECONDS / (1.0 + self.headroom))
+
+    def _engine_streams(self, mean_context: float, limit: int) -> int | None:
+        if self._engine_ok(1, mean_context) is None:
+            return None
+        lo, hi = 0, limit  # largest n in [0, limit] that stays real-time (monotone in n)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._engine_ok(mid, mean_context):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def probe_limit(self) -> int:
+        """How far past the measured range admission may go before it has measured more."""
+        return max(self.probe_min, int(self._max_streams_seen * self.probe_factor) + 1)
+
+    def estimate(self, *, mean_context: float, streams: int, limit: int) -> CapacityEstimate:
+        """`streams`: the current load (for the predicted step and pass); `limit`: the slots."""
+        engine = self._engine_streams(mean_context, limit)
+        codec = self._codec_streams()
+        bounds = [b for b in (engine, codec) if b is not None]
+        max_streams = None
+        if engine is not None and codec is not None:
+            # Never below one: a pipeline too slow for even one real-time stream still serves one at a time.
+            max_streams = max(1, min(*bounds, limit))
+            if max_streams > self._max_streams_seen:
+                max_streams = min(max_streams, self.probe_limit())
+        step = self.step_s(min(max(streams, 1), self.max_batch), mean_context)
+        frames = min(self.max_frames_per_pass, max(1, round(streams * (self._recent_pass_s or 0) / FRAME_SECONDS)))
+        pass_s = self.pass_s(frames)
+        return CapacityEstimate(
+            max_streams=max_streams,
+            engine_streams=engine,
+            codec_streams=codec,
+            step_ms=None if step is None else round(step * 1000, 3),
+            codec_pass_ms=None if pass_s is None else round(pass_s * 1000, 3),
+        )
