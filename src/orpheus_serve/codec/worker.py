@@ -115,6 +115,7 @@ class _Counters:
     decode_s: float = 0.0  # wall time inside decoder.decode
     errors: int = 0  # sessions failed by a decode exception
     dropped_pushes: int = 0  # pushes for closed sessions, or discarded by stop(drain=False)
+    dropped_frames: int = 0  # their frames: work a departed client did not cost
     callback_errors: int = 0  # exceptions raised by on_result
 
 
@@ -175,6 +176,7 @@ class CodecWorker:
                 raise RuntimeError("codec worker is stopping")
             if push.key in self._closed:
                 self._counters.dropped_pushes += 1
+                self._counters.dropped_frames += int(frames.shape[0])
                 return
             entry = self._pending.get(push.key)
             if entry is None:
@@ -195,6 +197,7 @@ class CodecWorker:
             entry = self._pending.pop(key, None)
             if entry is not None:
                 self._counters.dropped_pushes += entry.pushes
+                self._counters.dropped_frames += entry.count
             self._remember_closed(key)
             self._to_close.append(key)
             self._cond.notify()
@@ -229,6 +232,7 @@ class CodecWorker:
                 "decode_s": c.decode_s,
                 "errors": c.errors,
                 "dropped_pushes": c.dropped_pushes,
+                "dropped_frames": c.dropped_frames,
                 "callback_errors": c.callback_errors,
                 "queued_sessions": len(self._pending),
             }
@@ -285,6 +289,7 @@ class CodecWorker:
                     self._cond.wait()
                 if self._stopping and not self._drain:
                     self._counters.dropped_pushes += sum(e.pushes for e in self._pending.values())
+                    self._counters.dropped_frames += sum(e.count for e in self._pending.values())
                     self._pending.clear()
                 closes, self._to_close = self._to_close, []
                 if self._stopping and not self._pending and not closes:
@@ -354,6 +359,7 @@ class CodecWorker:
                     late = self._pending.pop(push.key, None)
                     if late is not None:
                         c.dropped_pushes += late.pushes
+                        c.dropped_frames += late.count
             deliver = [r for r in results if r.key not in cancelled]
         for result in deliver:
             if result.pcm.size:

@@ -130,6 +130,7 @@ class FlowStats:
     paused_client_buffer: int  # sessions whose client holds max_client_buffer_s
     paused_server_buffer: int  # sessions whose socket has not taken max_server_buffer_s (slow readers)
     max_undecoded_frames: int  # the most frames any live session has generated but not decoded
+    peak_undecoded_frames: int  # the most any session ever had, since start (never above the bound)
     in_codec_frames: int  # frames pushed to the codec and not decoded, all sessions
     backpressure_skips: int  # session-steps skipped by backpressure since start
     admission_waits: int  # steps that left a session queued for capacity with a slot free
@@ -197,6 +198,7 @@ class Scheduler:
         self._stray_tokens = 0
         self._counts = {"finished": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "rejected": 0}
         self._backpressure_skips = 0
+        self._peak_undecoded = 0
         self._admission_waits = 0
         self._first_push_last: int | None = None
         self._first_push_total = 0
@@ -443,6 +445,7 @@ class Scheduler:
                 paused_client_buffer=reasons["client_buffer"],
                 paused_server_buffer=reasons["server_buffer"],
                 max_undecoded_frames=max_undecoded,
+                peak_undecoded_frames=self._peak_undecoded,
                 in_codec_frames=in_codec,
                 backpressure_skips=self._backpressure_skips,
                 admission_waits=self._admission_waits,
@@ -582,6 +585,7 @@ class Scheduler:
         # Ids past the end (an engine that streams ahead) are dropped with the session.
         if frames:
             session.buffer.add(np.stack(frames))
+            self._peak_undecoded = max(self._peak_undecoded, session.undecoded_frames)
         if outcome == "length" and session.token_limit < session.request.sampling.max_tokens:
             self._fail(
                 session,

@@ -1,0 +1,259 @@
+"""Flow control end to end (DESIGN §5a): departed clients cost nothing, codec passes are bounded,
+sessions are held back by their codec backlog, and a storm of clients that leave early does not
+wedge the server for the next one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from orpheus_serve.benchmarking.launch import LaunchedServer
+from orpheus_serve.codec.base import CodecPush, CodecResult
+from orpheus_serve.codec.sim import SimDecoder
+from orpheus_serve.codec.worker import CodecWorker
+from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from orpheus_serve.service import TTSService
+from orpheus_serve.synthesis import AudioChunk, SynthesisMetrics, SynthesisRequest
+from tests.gateway_support import sim_config
+
+FRAME_BYTES = SAMPLES_PER_FRAME * 2
+
+
+# ------------------------------------------------------------ bounded codec passes
+
+
+class _RecordingDecoder(SimDecoder):
+    """The sim decoder (exact-length audio, no model), recording the frames of every decode call."""
+
+    def __init__(self, per_frame_ms: float) -> None:
+        super().__init__(base_ms=0.0, per_frame_ms=per_frame_ms, realtime=True)
+        self.calls: list[list[tuple[str, int]]] = []
+
+    def decode(self, pushes):
+        self.calls.append([(str(p.key), len(p.frames)) for p in pushes])
+        return super().decode(pushes)
+
+
+def test_no_codec_pass_exceeds_its_bound_and_a_new_session_goes_first() -> None:
+    decoder = _RecordingDecoder(per_frame_ms=0.5)
+    passes: list[int] = []
+    results: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def on_result(result: CodecResult) -> None:
+        with lock:
+            results[str(result.key)] = results.get(str(result.key), 0) + result.frames
+
+    worker = CodecWorker(decoder, on_result, max_batch=16, max_frames_per_pass=32, max_frames_per_session=4,
+                         on_pass=lambda frames, seconds: passes.append(frames))
+    frames = np.zeros((1, 7), dtype=np.int64)
+    worker.start()
+    try:
+        # 64 streams whose audio has started, then a second of audio (12 frames) backlogged for each.
+        for i in range(64):
+            worker.submit(CodecPush(f"old-{i}", frames))
+        deadline = time.monotonic() + 30
+        while len(results) < 64 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for i in range(64):
+            worker.submit(CodecPush(f"old-{i}", np.repeat(frames, 12, axis=0)))
+        while len(passes) < 6 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        worker.submit(CodecPush("new", np.repeat(frames, 3, axis=0)))  # a new session's first push
+        calls_before = len(decoder.calls)
+        deadline = time.monotonic() + 30
+        while results.get("new") is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for i in range(64):
+            worker.submit(CodecPush(f"old-{i}", np.zeros((0, 7), dtype=np.int64), final=True))
+        worker.submit(CodecPush("new", np.zeros((0, 7), dtype=np.int64), final=True))
+    finally:
+        assert worker.stop(30)
+    assert max(passes) <= 32, passes
+    assert sum(passes) == 64 * 13 + 3  # every frame decoded exactly once
+    assert all(n == 13 for k, n in results.items() if k.startswith("old")), results
+    # The new session was in the pass after the one in flight when it arrived.
+    new_call = next(i for i, call in enumerate(decoder.calls) if any(k == "new" for k, _ in call))
+    assert new_call <= calls_before + 1, (new_call, calls_before)
+    # Round-robin: no session brought more than 4 frames (the new one its whole first push).
+    assert all(n <= 4 for call in decoder.calls for k, n in call if k != "new")
+
+
+def test_closing_a_session_drops_its_pending_frames_before_the_next_pass() -> None:
+    decoder = _RecordingDecoder(per_frame_ms=5.0)
+    worker = CodecWorker(decoder, lambda r: None, max_frames_per_pass=8, max_frames_per_session=2)
+    frames = np.zeros((40, 7), dtype=np.int64)
+    for key in ("gone", "stays"):
+        worker.submit(CodecPush(key, frames))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not decoder.calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        worker.close_session("gone")
+        seen = len(decoder.calls)
+        worker.submit(CodecPush("stays", np.zeros((0, 7), dtype=np.int64), final=True))
+    finally:
+        assert worker.stop(30)
+    # At most the pass in flight at the close still held "gone"; none after it.
+    later = [call for call in decoder.calls[seen:] if any(k == "gone" for k, _ in call)]
+    assert not later
+    decoded_gone = sum(n for call in decoder.calls for k, n in call if k == "gone")
+    assert decoded_gone <= 8  # the one pass in flight
+    assert worker.stats()["dropped_frames"] == 40 - decoded_gone
+
+
+# ------------------------------------------------------------ backpressure
+
+
+def test_a_slow_codec_holds_sessions_back_at_max_undecoded_frames(tiny_orpheus: Path) -> None:
+    """The sim codec slowed 10x: no session ever has more than max_undecoded_frames generated but not
+    decoded, engine steps skip those sessions, and every stream still completes whole."""
+    bound = 6
+    config = sim_config(tiny_orpheus, **{
+        "codec.sim.per_frame_ms": 2.5, "codec.sim.base_ms": 15.0,  # 10x the default GPU model
+        "scheduler.max_undecoded_frames": bound, "scheduler.max_concurrent_sessions": 16,
+        "scheduler.max_batch_size": 16, "engine.sim.step_base_ms": 2.0,
+    })
+
+    async def scenario() -> dict:
+        service = TTSService.from_config(config)
+        await service.start(warmup=False)
+        try:
+            async def one(i: int) -> int:
+                samples = 0
+                async for item in service.synthesize(SynthesisRequest(
+                        text=f"Stream {i} speaks a while.", voice="tara", max_tokens=700, request_id=f"bp-{i}")):
+                    if isinstance(item, AudioChunk):
+                        samples += item.num_samples
+                    else:
+                        assert isinstance(item, SynthesisMetrics)
+                        assert samples == item.samples == item.frames * SAMPLES_PER_FRAME
+                return samples
+
+            totals = await asyncio.gather(*(one(i) for i in range(12)))
+            assert all(t > 0 for t in totals)
+            return service.stats()["flow"]
+        finally:
+            await service.shutdown(grace_s=0)
+
+    flow = asyncio.run(scenario())
+    assert flow["peak_undecoded_frames"] <= bound, flow
+    assert flow["peak_undecoded_frames"] == bound  # the bound was reached: the codec really was behind
+    assert flow["backpressure_skips"] > 0, flow
+
+
+# ------------------------------------------------------------ a storm of clients that leave early
+
+
+async def _leave_after_first_chunk(http: httpx.AsyncClient, url: str, text: str) -> tuple[str, int]:
+    """Reads the first chunk of audio, then hangs up."""
+    try:
+        async with http.stream("POST", url, json={"input": text, "response_format": "pcm"}) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return f"refused {response.status_code}", 0
+            async for chunk in response.aiter_raw():
+                return "left after first chunk", len(chunk)
+            return "empty", 0
+    except httpx.TransportError as exc:
+        return f"transport {type(exc).__name__}", 0
+
+
+async def _give_up_while_queued(http: httpx.AsyncClient, url: str, text: str, patience_s: float
+                                ) -> tuple[str, int]:
+    """Waits `patience_s` for the response to start (the server answers once the first audio exists),
+    then hangs up; reads the first chunk if it came in time."""
+    received = 0
+
+    async def attempt() -> tuple[str, int]:
+        nonlocal received
+        async with http.stream("POST", url, json={"input": text, "response_format": "pcm"}) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return f"refused {response.status_code}", 0
+            async for chunk in response.aiter_raw():
+                received += len(chunk)
+                return "left after first chunk", received
+            return "empty", 0
+
+    try:
+        return await asyncio.wait_for(attempt(), patience_s)
+    except asyncio.TimeoutError:
+        return "gave up while queued", received
+    except httpx.TransportError as exc:
+        return f"transport {type(exc).__name__}", received
+
+
+@pytest.mark.slow
+def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_models: Path, tmp_path: Path) -> None:
+    overrides = [
+        "engine.backend=torch", "engine.device=cpu", f"engine.model_path={tiny_models / 'tiny-orpheus'}",
+        f"codec.path={tiny_models / 'tiny-snac'}", "codec.device=cpu", "codec.noise=false",
+        "scheduler.max_concurrent_sessions=32", "scheduler.max_batch_size=16", "scheduler.max_queue=64",
+        "sampling.min_tokens=280", "sampling.max_tokens=700", "server.log_level=warning",
+    ]
+    with LaunchedServer(overrides, log_path=tmp_path / "server.log") as server:
+        url = f"{server.url}/v1/audio/speech"
+        before = server.stats()
+
+        async def storm() -> list[tuple[str, int]]:
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=60.0, limits=limits) as http:
+                jobs = []
+                for i in range(160):
+                    text = f"Caller {i} has a long question about the weather and the trains today."
+                    if i % 2:
+                        jobs.append(_leave_after_first_chunk(http, url, text))
+                    else:
+                        jobs.append(_give_up_while_queued(http, url, text, patience_s=1.0))
+                return await asyncio.gather(*jobs)
+
+        outcomes = asyncio.run(storm())
+        kinds: dict[str, int] = {}
+        for kind, _ in outcomes:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        storm_bytes = sum(n for _, n in outcomes)
+
+        # One ordinary request right after the storm.
+        started = time.perf_counter()
+        first_audio_s = None
+        audio = bytearray()
+        with httpx.Client(timeout=120.0) as http, http.stream(
+                "POST", url, json={"input": "Hello there, is anyone still listening?", "response_format": "pcm"}
+        ) as response:
+            assert response.status_code == 200, response.read()
+            for chunk in response.iter_raw():
+                if first_audio_s is None:
+                    first_audio_s = time.perf_counter() - started
+                audio += chunk
+        total_s = time.perf_counter() - started
+        assert first_audio_s is not None and first_audio_s < 5.0, (first_audio_s, kinds)
+        assert len(audio) > 0 and len(audio) % FRAME_BYTES == 0
+
+        # Everything the storm started has ended; the codec decoded little beyond what clients received.
+        deadline = time.monotonic() + 30
+        after = server.stats()
+        while (after["scheduler"]["active_sessions"] or after["scheduler"]["pending_sessions"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+            after = server.stats()
+        assert after["scheduler"]["active_sessions"] == 0 and after["scheduler"]["pending_sessions"] == 0
+        assert after["kv_cache"]["used_slots"] == 0
+        decoded = after["codec"]["frames_decoded"] - before["codec"]["frames_decoded"]
+        admitted = after["scheduler"]["total_sessions"] - before["scheduler"]["total_sessions"]
+        received_frames = (storm_bytes + len(audio)) / FRAME_BYTES
+        # The stateful decoder holds back 4757 samples: 3 frames go in before the first audio comes out.
+        lookahead_frames = 3
+        allowance = 1.1 * received_frames + lookahead_frames * admitted
+        print(f"storm outcomes {kinds}; admitted {admitted}; decoded {decoded} frames; received "
+              f"{received_frames:.1f} frames; allowance {allowance:.1f}; next request first audio "
+              f"{first_audio_s:.2f} s, total {total_s:.2f} s; codec max pass {after['codec']['max_pass_frames']}")
+        assert decoded <= allowance, (decoded, allowance, kinds)
+        assert after["codec"]["max_pass_frames"] <= after["codec"]["max_frames_per_pass"]
