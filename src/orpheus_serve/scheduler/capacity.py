@@ -21,10 +21,13 @@ real-time with `headroom` to spare:
     codec:   n streams need n / FRAME_SECONDS frames per second; a pass of at
              most F frames decodes F / pass_s(F) frames per second.
 
-Extrapolation is kept honest: the fit only knows the loads it has seen, so
-the estimate never runs more than `probe_factor` past the most streams it has
-measured at once (a new deployment ramps up as it measures, instead of
-admitting 200 streams on the strength of one).
+Extrapolation is kept honest: the fit only knows the loads it has seen, and a
+new stream's full cost shows only once its audio flows (its first tokens are
+prefill and priority steps; its delivery loads the gateway a moment later).
+So admission never runs more than `probe_factor` past the most streams held
+for at least `settle_s` (a cold deployment ramps up as it measures, 1.5x per
+half second by default, instead of admitting 200 streams on the strength of
+one measurement).
 
 Pure Python and numpy; the scheduler owns one and the engine core and codec
 worker feed it through the scheduler's lock.
@@ -33,6 +36,7 @@ worker feed it through the scheduler's lock.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +100,7 @@ class _OnlineLinearFit:
 
 @dataclass(frozen=True, slots=True)
 class CapacityEstimate:
-    max_streams: int | None  # None until both models have enough observations
+    max_streams: int  # streams admission allows now (the measured bound, or the probe limit past it)
     engine_streams: int | None  # the engine's bound alone
     codec_streams: int | None  # the codec's bound alone
     step_ms: float | None  # predicted loop period at the current load
@@ -111,29 +115,43 @@ class CapacityModel:
         max_frames_per_pass: int,
         headroom: float = 0.15,
         forget: float = 0.995,
-        probe_factor: float = 1.25,
+        probe_factor: float = 1.5,
         probe_min: int = 4,
+        settle_s: float = 0.5,
     ) -> None:
         self.max_batch = max_batch
         self.max_frames_per_pass = max_frames_per_pass
         self.headroom = headroom
         self.probe_factor = probe_factor
         self.probe_min = probe_min
+        self.settle_s = settle_s
         self._engine = _OnlineLinearFit(4, forget)
         self._codec = _OnlineLinearFit(2, forget)
-        self._max_streams_seen = 0
+        self._max_streams_seen = 0  # the most streams held for settle_s at least
+        self._recent_loads: deque[tuple[float, int]] = deque()  # (time, streams), a sliding window's minima
         self._recent_pass_s: float | None = None
 
     # ------------------------------------------------------------ observations
 
     def observe_step(self, batch: int, context_tokens: int, prefill_tokens: int, seconds: float, *,
-                     streams: int) -> None:
+                     streams: int, now: float) -> None:
         """One loop period: `batch` sessions decoded over `context_tokens` of context in all,
-        `prefill_tokens` prompt ids prefilled, while `streams` sessions held slots."""
+        `prefill_tokens` prompt ids prefilled, while `streams` sessions held slots (at clock `now`)."""
         if seconds <= 0 or batch + prefill_tokens <= 0:
             return
         self._engine.add(self._step_features(batch, context_tokens, prefill_tokens), seconds)
-        self._max_streams_seen = max(self._max_streams_seen, streams)
+        self._observe_load(streams, now)
+
+    def _observe_load(self, streams: int, now: float) -> None:
+        """Keep the most streams held for settle_s: the minimum over a sliding window (monotone deque)."""
+        loads = self._recent_loads
+        while loads and loads[-1][1] > streams:
+            loads.pop()
+        loads.append((now, streams))
+        while len(loads) > 1 and loads[1][0] <= now - self.settle_s:
+            loads.popleft()
+        if loads[0][0] <= now - self.settle_s or self.settle_s <= 0:
+            self._max_streams_seen = max(self._max_streams_seen, loads[0][1])
 
     def observe_codec_pass(self, frames: int, seconds: float) -> None:
         if seconds <= 0 or frames <= 0:
@@ -210,13 +228,12 @@ class CapacityModel:
         """`streams`: the current load (for the predicted step and pass); `limit`: the slots."""
         engine = self._engine_streams(mean_context, limit)
         codec = self._codec_streams()
-        bounds = [b for b in (engine, codec) if b is not None]
-        max_streams = None
-        if engine is not None and codec is not None:
-            # Never below one: a pipeline too slow for even one real-time stream still serves one at a time.
-            max_streams = max(1, min(*bounds, limit))
-            if max_streams > self._max_streams_seen:
-                max_streams = min(max_streams, self.probe_limit())
+        # A part not measured yet does not bound anything, but nothing is admitted far past the load
+        # measured so far. Never below one: a pipeline too slow for even one real-time stream still
+        # serves one at a time.
+        max_streams = max(1, min(b for b in (engine, codec, limit) if b is not None))
+        if max_streams > self._max_streams_seen:
+            max_streams = min(max_streams, self.probe_limit())
         step = self.step_s(min(max(streams, 1), self.max_batch), mean_context)
         frames = min(self.max_frames_per_pass, max(1, round(streams * (self._recent_pass_s or 0) / FRAME_SECONDS)))
         pass_s = self.pass_s(frames)

@@ -38,13 +38,14 @@ Flow control (DESIGN §5a), with playback time as the unit:
   `deadline` policy, runs on delivered audio. Without that feedback
   (`delivery_feedback=False`: unit tests, the virtual-clock simulation) a push
   counts as decoded and delivered the moment it leaves.
-- Capacity-aware admission: the engine core reports each loop period
-  (`record_step_time`) and the codec each pass (`record_codec_pass`) to a
-  `CapacityModel`. A new session is admitted only while the streams that need
-  real-time production (all admitted sessions but paused slow readers) stay
-  under the measured capacity; otherwise it waits (`admission: queue`) or is
-  refused at submit (`admission: reject`). Continuation chunks of a stream
-  already playing are not new streams and skip the check.
+- Capacity-aware admission (with delivery feedback): the engine core reports
+  each loop period (`record_step_time`) and the codec each pass
+  (`record_codec_pass`) to a `CapacityModel`. A new session is admitted only
+  while the streams that need real-time production (all admitted sessions but
+  paused slow readers) stay under the measured capacity; otherwise it waits
+  (`admission: queue`) or is refused at submit (`admission: reject`).
+  Continuation chunks of a stream already playing are not new streams and
+  skip the check.
 - The first push is sized from the measured load: its audible part covers
   `first_chunk_safety` times the wait for the next frame (7 token intervals
   plus the codec's latency), so a stream produced at real time does not run
@@ -119,7 +120,7 @@ class FlowStats:
     """Flow control at a glance (the `flow` section of /v1/stats)."""
 
     admission: str  # queue | reject
-    capacity_streams: int | None  # real-time streams the measured pipeline sustains (None: not measured yet)
+    capacity_streams: int | None  # streams admission allows now: the measured bound (None: no measurement fed)
     engine_capacity_streams: int | None
     codec_capacity_streams: int | None
     demand_streams: int  # admitted sessions that need real-time production (paused slow readers excluded)
@@ -239,7 +240,7 @@ class Scheduler:
             queued = len(self._waiting) - free  # waiting requests that no free slot will take
             if self._config.admission == "reject" and req.playback_start_s is None:
                 # Behind a load balancer: never queue for capacity, refuse at once so the client goes elsewhere.
-                capacity = self._current_estimate().max_streams
+                capacity = self._admission_limit()
                 if capacity is not None and self._demand_streams(self._clock()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
                     retry = self._retry_after_s(len(self._waiting))
@@ -383,7 +384,7 @@ class Scheduler:
             if load is None or load[0] is not plan:
                 return
             _, batch, context, prefill, streams = load
-            self._capacity.observe_step(batch, context, prefill, seconds, streams=streams)
+            self._capacity.observe_step(batch, context, prefill, seconds, streams=streams, now=self._clock())
             if batch:
                 self._mean_context = 0.95 * self._mean_context + 0.05 * (context / batch) if self._mean_context \
                     else context / batch
@@ -434,11 +435,11 @@ class Scheduler:
             demand = self._demand_streams(now)
             return FlowStats(
                 admission=self._config.admission,
-                capacity_streams=estimate.max_streams,
+                capacity_streams=self._admission_limit(),
                 engine_capacity_streams=estimate.engine_streams,
                 codec_capacity_streams=estimate.codec_streams,
                 demand_streams=demand,
-                admission_open=estimate.max_streams is None or demand < estimate.max_streams,
+                admission_open=self._admission_limit() is None or demand < estimate.max_streams,
                 predicted_step_ms=estimate.step_ms,
                 predicted_codec_pass_ms=estimate.codec_pass_ms,
                 paused_codec=reasons["codec"],
@@ -501,7 +502,7 @@ class Scheduler:
                 budget -= self._add_chunk(plan, session, budget)
         if budget <= 0 or not self._waiting or not self._slots.free_count:
             return
-        capacity = self._current_estimate().max_streams
+        capacity = self._admission_limit()
         demand = self._demand_streams(now) if capacity is not None else 0
         for session in list(self._waiting.values()):
             if budget <= 0 or not self._slots.free_count:
@@ -668,6 +669,11 @@ class Scheduler:
         """Admitted sessions that need real-time production: a slow reader whose socket has not taken
         its server-side buffer consumes no engine steps and does not count."""
         return sum(1 for s in self._admitted.values() if s.server_buffered_s <= self._config.max_server_buffer_s)
+
+    def _admission_limit(self) -> int | None:
+        """Streams admission allows now; None (slots only) when nobody feeds the capacity measure
+        (without delivery feedback: unit tests and the virtual-clock simulation)."""
+        return self._current_estimate().max_streams if self._feedback else None
 
     def _current_estimate(self) -> CapacityEstimate:
         if self._estimate is None or self._estimate_step != self._step:

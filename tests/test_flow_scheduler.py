@@ -1,0 +1,246 @@
+"""Flow control in the scheduler, on CPU with hand-built outputs and a fake clock (DESIGN §5a):
+the capacity measure, capacity-aware admission, backpressure from codec and client, first push
+sizing. No threads, no model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from orpheus_serve.protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from orpheus_serve.scheduler import FramesReady, Scheduler, SessionState
+from orpheus_serve.scheduler.capacity import CapacityModel
+from orpheus_serve.synthesis import QueueFullError
+from tests.test_scheduler import FakeClock, HandModel, config, of_type, request
+
+A_MS, B_MS = 4.0, 0.05  # a known engine cost: step_ms = 4 + 0.05 * batch
+
+
+def realtime_streams(a_ms: float, b_ms: float, headroom: float) -> int:
+    """The analytic answer: the most n with 7 * step(n) * (1 + headroom) <= one frame."""
+    budget_ms = FRAME_SECONDS * 1000 / TOKENS_PER_FRAME / (1 + headroom)
+    return math.floor((budget_ms - a_ms) / b_ms)
+
+
+def feed_engine(model: CapacityModel, streams: int, clock: FakeClock, seconds: float = 1.0) -> None:
+    """Hold `streams` streams for `seconds`, every one decoded each step, at the known cost."""
+    end = clock() + seconds
+    while clock() < end:
+        step_s = (A_MS + B_MS * streams) / 1000
+        clock.advance(step_s)
+        model.observe_step(streams, streams * 200, 0, step_s, streams=streams, now=clock())
+
+
+def feed_codec(model: CapacityModel, passes: int = 40) -> None:
+    for i in range(passes):  # a fast codec: 1 ms + 0.05 ms per frame, passes of 1..40 frames
+        frames = 1 + i % 40
+        model.observe_codec_pass(frames, (1.0 + 0.05 * frames) / 1000)
+
+
+# ------------------------------------------------------------------ the capacity measure
+
+
+def test_capacity_converges_to_the_analytic_bound_as_load_ramps() -> None:
+    clock = FakeClock()
+    model = CapacityModel(max_batch=512, max_frames_per_pass=64, headroom=0.15)
+    feed_codec(model)
+    expected = realtime_streams(A_MS, B_MS, 0.15)
+    assert expected == 132
+    # Cold: nothing measured, a few streams at most.
+    assert model.estimate(mean_context=200, streams=0, limit=512).max_streams == model.probe_min
+    allowed = []
+    load = 1
+    for _ in range(20):  # admission as a server does it: hold what is allowed, measure, allow more
+        feed_engine(model, load, clock)
+        load = model.estimate(mean_context=200, streams=load, limit=512).max_streams
+        allowed.append(load)
+    assert allowed == sorted(allowed)  # grows by at most the probe factor per settled load
+    assert all(b <= math.floor(a * model.probe_factor) + 1 for a, b in itertools.pairwise(allowed))
+    final = model.estimate(mean_context=200, streams=load, limit=512)
+    assert abs(final.max_streams - expected) <= 2, (final, expected)
+    assert final.engine_streams is not None and abs(final.engine_streams - expected) <= 2
+
+
+def test_a_slow_codec_bounds_capacity() -> None:
+    clock = FakeClock()
+    model = CapacityModel(max_batch=512, max_frames_per_pass=64, headroom=0.0)
+    for streams in (4, 6, 9, 14, 21, 32, 48, 72, 108):
+        feed_engine(model, streams, clock)
+    for i in range(40):  # 20 ms per frame, as SNAC on a small CPU: ~50 frames/s, ~4 real-time streams
+        frames = 1 + i % 8
+        model.observe_codec_pass(frames, 0.020 * frames)
+    estimate = model.estimate(mean_context=200, streams=4, limit=512)
+    assert estimate.codec_streams == math.floor(50 * FRAME_SECONDS)  # 4
+    assert estimate.max_streams == estimate.codec_streams
+
+
+def test_never_below_one_stream() -> None:
+    clock = FakeClock()
+    model = CapacityModel(max_batch=16, max_frames_per_pass=64)
+    feed_codec(model)
+    for _ in range(3):
+        end = clock() + 1.0
+        while clock() < end:
+            clock.advance(0.2)
+            model.observe_step(1, 100, 0, 0.2, streams=1, now=clock())  # 200 ms a token: far from real time
+    assert model.estimate(mean_context=100, streams=1, limit=16).max_streams == 1
+
+
+# ------------------------------------------------------------------ admission
+
+
+def measured_scheduler(clock: FakeClock, capacity_streams: int, **kw) -> Scheduler:
+    """A scheduler with delivery feedback whose capacity measure has settled at `capacity_streams`."""
+    sched = Scheduler(config(admission_headroom=0.0, **kw), num_slots=64, lookahead_frames=0,
+                      clock=clock, delivery_feedback=True)
+    budget_ms = FRAME_SECONDS * 1000 / TOKENS_PER_FRAME
+    b_ms = (budget_ms - A_MS) / (capacity_streams + 0.5)  # exactly `capacity_streams` fit
+    model = sched._capacity  # the measure is fed as the engine core would, without a model running
+    for streams in (4, 6, 9, 14, 21, 32, 48):
+        end = clock() + 1.0
+        while clock() < end:
+            step_s = (A_MS + b_ms * streams) / 1000
+            clock.advance(step_s)
+            model.observe_step(streams, 0, 0, step_s, streams=streams, now=clock())
+    feed_codec(model)
+    return sched
+
+
+def test_admission_queues_new_sessions_past_measured_capacity() -> None:
+    clock = FakeClock()
+    sched = measured_scheduler(clock, capacity_streams=6)
+    for i in range(10):
+        sched.submit(request(f"s{i}", clock))
+    sched.schedule()
+    stats = sched.stats()
+    assert (stats.active_sessions, stats.pending_sessions) == (6, 4)  # slots are free, capacity is not
+    flow = sched.flow_stats()
+    assert flow.capacity_streams == 6 and not flow.admission_open and flow.admission_waits >= 4
+    # A continuation of a stream already playing is not a new stream: it goes in (here while the
+    # stream's first chunk still holds its slot; normally that chunk has just finished).
+    sched.submit(request("s0-next", clock, playback_start_s=clock(), audio_before_s=1.0))
+    sched.schedule()
+    assert sched.session_state("s0-next") is SessionState.PREFILLING
+    assert sched.stats().active_sessions == 7
+    # Streams end: the waiting ones take their places, up to the capacity again.
+    sched.cancel("s0")
+    sched.cancel("s1")
+    sched.schedule()
+    assert sched.stats().active_sessions == 6 and sched.stats().pending_sessions == 3
+
+
+def test_reject_mode_refuses_at_once_with_a_retry_hint() -> None:
+    clock = FakeClock()
+    sched = measured_scheduler(clock, capacity_streams=6, admission="reject")
+    for i in range(6):
+        sched.submit(request(f"s{i}", clock))
+    sched.schedule()
+    with pytest.raises(QueueFullError) as refused:
+        sched.submit(request("s6", clock))
+    assert refused.value.retry_after_s > 0
+    assert "capacity" in str(refused.value)
+    assert sched.stats().rejected == 1 and sched.stats().pending_sessions == 0
+
+
+# ------------------------------------------------------------------ backpressure
+
+
+def run(sched: Scheduler, model: HandModel, clock: FakeClock, dt: float = 0.001):
+    plan = sched.schedule()
+    out = model.step(plan)
+    clock.advance(dt)
+    return plan, sched.update(plan, out)
+
+
+def test_codec_backlog_holds_a_session_back_until_frames_are_decoded() -> None:
+    clock = FakeClock()
+    sched = Scheduler(config(max_undecoded_frames=4, flush_every_n_tokens=7), num_slots=2, lookahead_frames=0,
+                      clock=clock, delivery_feedback=True)
+    model = HandModel(frames=None)
+    sched.submit(request("a", clock))
+    pushed = 0
+    decoded_slots: list[int] = []
+    for _ in range(200):  # the codec never answers
+        plan, events = run(sched, model, clock)
+        decoded_slots += plan.decode
+        pushed += sum(e.num_frames for e in of_type(events, FramesReady))
+    flow = sched.flow_stats()
+    assert flow.peak_undecoded_frames == 4 == flow.max_undecoded_frames
+    assert flow.paused_codec == 1 and flow.backpressure_skips > 150
+    assert model.position["a"] == 4 * TOKENS_PER_FRAME  # not one token more than the bound allows
+    # The codec catches up: the session goes on.
+    sched.note_decoded("a", pushed, pushed * SAMPLES_PER_FRAME)
+    plan, _ = run(sched, model, clock)
+    assert plan.decode == [0]
+
+
+def test_client_buffer_and_slow_reader_hold_a_session_back() -> None:
+    clock = FakeClock()
+    sched = Scheduler(config(max_client_buffer_s=1.0, max_server_buffer_s=0.5), num_slots=2,
+                      lookahead_frames=0, clock=clock, delivery_feedback=True)
+    model = HandModel(frames=None)
+    sched.submit(request("a", clock))
+    run(sched, model, clock)
+    # The client took 2 s of audio at once: it holds more than max_client_buffer_s.
+    sched.note_decoded("a", 0, 2 * SAMPLE_RATE)
+    sched.note_delivered("a", 2 * SAMPLE_RATE)
+    plan, _ = run(sched, model, clock)
+    assert plan.decode == [] and sched.flow_stats().paused_client_buffer == 1
+    clock.advance(1.1)  # it played 1.1 s: 0.9 s left, under the bound
+    plan, _ = run(sched, model, clock)
+    assert plan.decode == [0]
+    # The codec made 1 s of audio its socket has not taken: a slow reader, held back, not counted as demand.
+    sched.note_decoded("a", 0, SAMPLE_RATE)
+    plan, _ = run(sched, model, clock)
+    flow = sched.flow_stats()
+    assert plan.decode == [] and flow.paused_server_buffer == 1 and flow.demand_streams == 0
+    sched.note_delivered("a", SAMPLE_RATE)
+    clock.advance(1.5)
+    plan, _ = run(sched, model, clock)
+    assert plan.decode == [0]
+
+
+def test_deadline_follows_delivered_audio_not_generated_frames() -> None:
+    clock = FakeClock()
+    sched = Scheduler(config(), num_slots=1, lookahead_frames=0, clock=clock, delivery_feedback=True)
+    model = HandModel(frames=None)
+    sched.submit(request("a", clock))
+    for _ in range(60):
+        run(sched, model, clock)
+    session = sched._admitted["a"]
+    assert session.buffer.flushed_frames >= 6
+    assert session.playback_end_s is None  # frames went to the codec, but nothing reached the client
+    sched.note_delivered("a", SAMPLES_PER_FRAME)
+    assert session.playback_end_s == pytest.approx(clock() + FRAME_SECONDS)
+
+
+# ------------------------------------------------------------------ first push sizing
+
+
+@pytest.mark.parametrize(("step_ms", "codec_ms", "expected"), [(1.0, 1.0, 3), (10.0, 20.0, 5)])
+def test_first_push_covers_the_wait_for_the_next_frame(step_ms: float, codec_ms: float, expected: int) -> None:
+    """The stateful decoder's 4757-sample lookahead: 3 frames give 1387 audible samples (58 ms). At 1 ms
+    a step that covers the next frame; at 10 ms a step plus 20 ms passes the first push must wait for
+    1.5 x (7 x 10 + 2 x 20) ms = 165 ms of audio: ceil((3960 + 4757) / 2048) = 5 frames."""
+    clock = FakeClock()
+    sched = Scheduler(config(), num_slots=4, lookahead_frames=2, lookahead_samples=4757, clock=clock,
+                      delivery_feedback=True)
+    for _ in range(20):
+        clock.advance(step_ms / 1000)
+        sched._capacity.observe_step(1, 100, 0, step_ms / 1000, streams=1, now=clock())
+        sched._capacity.observe_codec_pass(3, codec_ms / 1000)
+    model = HandModel(frames=None)
+    sched.submit(request("a", clock))
+    first = None
+    for _ in range(100):
+        _, events = run(sched, model, clock)
+        pushes = of_type(events, FramesReady)
+        if pushes:
+            first = pushes[0]
+            break
+    assert first is not None and first.num_frames == expected
+    assert sched.flow_stats().first_push_frames_last == expected
+    audible_ms = (expected * SAMPLES_PER_FRAME - 4757) / SAMPLE_RATE * 1000
+    assert audible_ms >= 1.5 * (7 * step_ms + 2 * codec_ms) or expected == 3
