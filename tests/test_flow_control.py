@@ -20,7 +20,7 @@ from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
 from orpheus_serve.service import TTSService
 from orpheus_serve.synthesis import AudioChunk, SynthesisMetrics, SynthesisRequest
-from tests.gateway_support import sim_config
+from tests.gateway_support import sim_config, start_server
 
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
 
@@ -257,3 +257,81 @@ def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_mode
               f"{first_audio_s:.2f} s, total {total_s:.2f} s; codec max pass {after['codec']['max_pass_frames']}")
         assert decoded <= allowance, (decoded, allowance, kinds)
         assert after["codec"]["max_pass_frames"] <= after["codec"]["max_frames_per_pass"]
+
+
+# ------------------------------------------------------------ health and admission over HTTP
+
+
+def test_ready_says_saturated_while_the_codec_is_behind_and_recovers_by_itself(tiny_orpheus: Path) -> None:
+    # A codec 40x slower than the GPU model, and /ready's patience at 50 ms of codec backlog.
+    server = start_server(sim_config(tiny_orpheus, **{
+        "codec.sim.per_frame_ms": 10.0, "codec.sim.base_ms": 20.0, "server.ready_max_backlog_s": 0.05,
+        "engine.sim.step_base_ms": 2.0, "scheduler.max_concurrent_sessions": 16, "scheduler.max_batch_size": 16,
+    }))
+    try:
+        url = f"{server.base_url}/v1/audio/speech"
+        states: list[str] = []
+
+        async def load() -> list[int]:
+            async with httpx.AsyncClient(timeout=120.0) as http:
+                async def one(i: int) -> int:
+                    response = await http.post(url, json={"input": f"Voice {i} reads a paragraph.",
+                                                          "response_format": "pcm", "max_tokens": 280})
+                    return response.status_code
+
+                async def watch() -> None:
+                    for _ in range(400):
+                        ready = await http.get(f"{server.base_url}/ready")
+                        states.append(ready.json()["status"] if ready.status_code == 503 else "ready")
+                        if "saturated" in states:
+                            return
+                        await asyncio.sleep(0.02)
+
+                watcher = asyncio.create_task(watch())
+                codes = await asyncio.gather(*(one(i) for i in range(8)))
+                await watcher
+                return codes
+
+        codes = asyncio.run(load())
+        assert codes == [200] * 8
+        assert "saturated" in states, states
+        stats = httpx.get(f"{server.base_url}/v1/stats").json()
+        assert stats["flow"]["saturated"] is False and stats["flow"]["codec_backlog_frames"] == 0
+        assert httpx.get(f"{server.base_url}/ready").status_code == 200  # back by itself, nothing reset
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        for name in ("orpheus:codec_backlog_frames", "orpheus:undecoded_frames_max",
+                     "orpheus:capacity_realtime_streams", "orpheus:admitted_streams", "orpheus:saturated"):
+            assert name in metrics
+    finally:
+        server.stop()
+
+
+def test_reject_mode_answers_503_with_retry_after_at_once(tiny_orpheus: Path) -> None:
+    # 30 ms a step: no more than one stream can be real-time, so capacity is one stream.
+    server = start_server(sim_config(tiny_orpheus, **{
+        "engine.sim.step_base_ms": 30.0, "scheduler.admission": "reject",
+    }))
+    try:
+        url = f"{server.base_url}/v1/audio/speech"
+        with httpx.Client(timeout=60.0) as http:
+            # Let the measure settle on one stream first (a cold server admits a few while it measures).
+            for _ in range(2):
+                assert http.post(url, json={"input": "Warm up.", "max_tokens": 140}).status_code == 200
+            with http.stream("POST", url, json={"input": "A long one.", "response_format": "pcm",
+                                                "max_tokens": 1400}) as running:
+                assert running.status_code == 200
+                body = running.iter_raw()  # kept referenced: a dropped iterator closes the connection
+                next(body)
+                started = time.perf_counter()
+                refused = http.post(url, json={"input": "Me too.", "max_tokens": 140})
+                took = time.perf_counter() - started
+                ready = http.get(f"{server.base_url}/ready")
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "server_busy"
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert took < 1.0  # refused at once, not after waiting
+        assert ready.status_code == 503 and ready.json()["status"] == "saturated"
+        flow = httpx.get(f"{server.base_url}/v1/stats").json()["flow"]
+        assert flow["admission"] == "reject" and flow["capacity_streams"] == 1
+    finally:
+        server.stop()

@@ -79,6 +79,24 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
+def concurrent_streams(records: list[StreamRecord]) -> tuple[int, float]:
+    """(peak, time-weighted mean) of streams playing at once, each from its first to its last chunk;
+    the mean is over the time at least one was playing."""
+    edges = sorted([(r.chunks[0][0], 1) for r in records if r.chunks]
+                   + [(r.chunks[-1][0], -1) for r in records if r.chunks], key=lambda e: (e[0], e[1]))
+    peak = playing = 0
+    area = busy = 0.0
+    last = None
+    for t, delta in edges:
+        if last is not None and playing > 0:
+            area += playing * (t - last)
+            busy += t - last
+        playing += delta
+        peak = max(peak, playing)
+        last = t
+    return peak, (area / busy if busy > 0 else 0.0)
+
+
 def summarize(records: list[StreamRecord], wall_s: float) -> dict[str, float | int | None]:
     ok = [r for r in records if r.ok]
     ttfb = [r.ttfb_s for r in ok if r.ttfb_s is not None]
@@ -86,6 +104,8 @@ def summarize(records: list[StreamRecord], wall_s: float) -> dict[str, float | i
     audio = sum(r.audio_seconds for r in ok)
     under = [r.underruns() for r in ok]
     n = len(records)
+    started = [r for r in records if r.chunks]  # got audio, whether or not they then completed
+    peak, mean = concurrent_streams(ok)
 
     def ms(x: float | None) -> float | None:
         return None if x is None else round(x * 1000, 1)
@@ -106,6 +126,11 @@ def summarize(records: list[StreamRecord], wall_s: float) -> dict[str, float | i
         "underrun_streams": sum(c > 0 for c, _ in under),
         "stall_seconds": round(sum(s for _, s in under), 3),
         "realtime_streams": sum(r.realtime for r in ok),
+        "started": len(started),
+        # Of the streams that started (first audio), the share that played to the end without a gap.
+        "realtime_of_started": round(sum(r.realtime for r in ok) / len(started), 4) if started else None,
+        "concurrent_peak": peak,  # completed streams playing at once
+        "concurrent_mean": round(mean, 1),
         "audio_seconds": round(audio, 3),
         "wall_seconds": round(wall_s, 3),
         "audio_seconds_per_second": round(audio / wall_s, 4) if wall_s > 0 else None,

@@ -8,6 +8,10 @@ neighbour):
     engine loop period  step_s = a + b * batch + c * context_tokens + d * prefill_tokens
     codec pass          pass_s = e + f * frames
 
+A stream runs dry when its steps are slow for a while, not on average, so the
+step time admission plans with is the fit plus its jitter (the spread of the
+measured periods around it: the interpreter lock, the gateway's bursts).
+
 `step_s` is the whole period of the engine core loop around one step
 (schedule, engine step, update, dispatch): what a stream really waits between
 two of its tokens. One real-time stream needs a frame (7 tokens) every
@@ -51,7 +55,8 @@ _MIN_OBSERVATIONS = 8
 
 
 class _OnlineLinearFit:
-    """Exponentially weighted least squares with non-negative slopes."""
+    """Exponentially weighted least squares with non-negative slopes, and the spread of what it
+    does not explain (`jitter`: the root mean square of its one-step-ahead errors)."""
 
     def __init__(self, n_features: int, forget: float) -> None:
         self._forget = forget
@@ -60,8 +65,17 @@ class _OnlineLinearFit:
         self._weight = 0.0
         self.observations = 0
         self._coef: np.ndarray | None = None
+        self._square_error = 0.0  # exponentially weighted mean of squared prediction errors
+
+    @property
+    def jitter(self) -> float:
+        return math.sqrt(self._square_error)
 
     def add(self, x: np.ndarray, y: float) -> None:
+        coef = self.coef
+        if coef is not None:
+            error = y - float(coef @ x)
+            self._square_error = self._forget * self._square_error + (1 - self._forget) * error * error
         self._xtx *= self._forget
         self._xty *= self._forget
         self._weight = self._weight * self._forget + 1.0
@@ -166,10 +180,12 @@ class CapacityModel:
         return np.array([1.0, float(batch), context_tokens * _CTX_SCALE, prefill_tokens * _PREFILL_SCALE])
 
     def step_s(self, batch: int, mean_context: float, prefill_tokens: int = 0) -> float | None:
+        """Predicted loop period, plus the jitter the fit does not explain."""
         coef = self._engine.coef
         if coef is None:
             return None
-        return float(coef @ self._step_features(batch, int(batch * mean_context), prefill_tokens))
+        return float(coef @ self._step_features(batch, int(batch * mean_context), prefill_tokens)) \
+            + self._engine.jitter
 
     def pass_s(self, frames: int) -> float | None:
         coef = self._codec.coef
