@@ -263,9 +263,9 @@ def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_mode
 
 
 def test_ready_says_saturated_while_the_codec_is_behind_and_recovers_by_itself(tiny_orpheus: Path) -> None:
-    # A codec 40x slower than the GPU model, and /ready's patience at 50 ms of codec backlog.
+    # A codec whose every pass takes 100 ms (60x the GPU model), and /ready's patience at 50 ms of backlog.
     server = start_server(sim_config(tiny_orpheus, **{
-        "codec.sim.per_frame_ms": 10.0, "codec.sim.base_ms": 20.0, "server.ready_max_backlog_s": 0.05,
+        "codec.sim.per_frame_ms": 2.0, "codec.sim.base_ms": 100.0, "server.ready_max_backlog_s": 0.05,
         "engine.sim.step_base_ms": 2.0, "scheduler.max_concurrent_sessions": 16, "scheduler.max_batch_size": 16,
     }))
     try:

@@ -298,7 +298,8 @@ class CodecWorker:
             # Asked outside the lock: the scheduler takes its own lock, and submit() must never wait on it.
             held = self.held_audio_s(keys) if self.held_audio_s is not None and keys else [0.0] * len(keys)
             with self._cond:
-                yield closes, self._select(dict(zip(keys, held, strict=True)))
+                batch = self._select(dict(zip(keys, held, strict=True)))
+            yield closes, batch  # decoded outside the lock: submit() never waits for a pass
 
     def _select(self, held: dict[Hashable, float]) -> list[tuple[CodecPush, int]]:
         """Take at most max_frames_per_pass frames from the pending entries (caller holds the lock)."""

@@ -115,6 +115,7 @@ class _OnlineLinearFit:
 @dataclass(frozen=True, slots=True)
 class CapacityEstimate:
     max_streams: int  # streams admission allows now (the measured bound, or the probe limit past it)
+    measured_streams: int | None  # the measured bound alone (None: nothing measured yet)
     engine_streams: int | None  # the engine's bound alone
     codec_streams: int | None  # the codec's bound alone
     step_ms: float | None  # predicted loop period at the current load
@@ -247,7 +248,8 @@ class CapacityModel:
         # A part not measured yet does not bound anything, but nothing is admitted far past the load
         # measured so far. Never below one: a pipeline too slow for even one real-time stream still
         # serves one at a time.
-        max_streams = max(1, min(b for b in (engine, codec, limit) if b is not None))
+        measured = max(1, min(b for b in (engine, codec, limit) if b is not None))
+        max_streams = measured
         if max_streams > self._max_streams_seen:
             max_streams = min(max_streams, self.probe_limit())
         step = self.step_s(min(max(streams, 1), self.max_batch), mean_context)
@@ -255,6 +257,7 @@ class CapacityModel:
         pass_s = self.pass_s(frames)
         return CapacityEstimate(
             max_streams=max_streams,
+            measured_streams=measured if engine is not None or codec is not None else None,
             engine_streams=engine,
             codec_streams=codec,
             step_ms=None if step is None else round(step * 1000, 3),

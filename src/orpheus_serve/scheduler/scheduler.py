@@ -239,8 +239,9 @@ class Scheduler:
             free = self._slots.free_count + len(self._pending_release)
             queued = len(self._waiting) - free  # waiting requests that no free slot will take
             if self._config.admission == "reject" and req.playback_start_s is None:
-                # Behind a load balancer: never queue for capacity, refuse at once so the client goes elsewhere.
-                capacity = self._admission_limit()
+                # Behind a load balancer: past the measured capacity, refuse at once so the client goes
+                # elsewhere. (While a cold server ramps up to what it has not measured yet, requests wait.)
+                capacity = self._current_estimate().measured_streams if self._feedback else None
                 if capacity is not None and self._demand_streams(self._clock()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
                     retry = self._retry_after_s(len(self._waiting))
