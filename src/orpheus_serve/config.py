@@ -85,6 +85,7 @@ class CodecConfig(_Strict):
     max_batch: int = Field(64, ge=1)
     max_frames_per_pass: int = Field(64, ge=1)  # frames one worker pass may decode, across all sessions
     max_frames_per_session: int = Field(4, ge=1)  # frames one session may contribute to a pass (round-robin)
+    max_pass_ms: float = Field(100.0, gt=0)  # and fewer frames when the measured pass would take longer (CPU)
     sim: SimCodecConfig = SimCodecConfig()
 
 

@@ -148,6 +148,7 @@ class TTSService:
             decoder, self._on_codec_result, max_batch=config.codec.max_batch,
             max_frames_per_pass=config.codec.max_frames_per_pass,
             max_frames_per_session=config.codec.max_frames_per_session,
+            max_pass_s=config.codec.max_pass_ms / 1000,
             held_audio_s=self._scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
         )
         # session id -> (prompt ids, frames so far, finish reason); only for tooling (--tokens-out)

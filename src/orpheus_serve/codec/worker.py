@@ -19,8 +19,11 @@ arrive while the worker is busy are coalesced (frames concatenated in order,
 many small decodes.
 
 Passes are bounded (DESIGN §5a): a pass decodes at most `max_frames_per_pass`
-frames in all, and each session contributes at most `max_frames_per_session`
-of its pending frames; the rest stays pending, in order, for the next pass.
+frames in all, and fewer when the measured cost per frame says the pass would
+take longer than `max_pass_s` (a CPU codec at ~20 ms a frame: a 64-frame pass
+would keep every client waiting for a second); each session contributes at
+most `max_frames_per_session` of its pending frames; the rest stays pending,
+in order, for the next pass.
 Sessions whose audio has not started go first (their client waits for its
 first byte: they may bring their whole first push), then the sessions whose
 clients hold the least audio (`held_audio_s`, the scheduler's playback model),
@@ -130,6 +133,7 @@ class CodecWorker:
         max_batch: int = 64,
         max_frames_per_pass: int = 64,
         max_frames_per_session: int = 4,
+        max_pass_s: float | None = None,
         held_audio_s: Callable[[list[Hashable]], list[float]] | None = None,
         on_pass: Callable[[int, float], None] | None = None,
         device: str | torch.device = "cpu",
@@ -144,6 +148,8 @@ class CodecWorker:
         self.max_batch = max_batch
         self.max_frames_per_pass = max_frames_per_pass
         self.max_frames_per_session = max_frames_per_session
+        self.max_pass_s = max_pass_s
+        self._s_per_frame: float | None = None  # measured, smoothed over passes
         self.held_audio_s = held_audio_s
         self.on_pass = on_pass
         self.device = torch.device(device)
@@ -273,6 +279,10 @@ class CodecWorker:
                     self._decode_group(batch[start : start + self.max_batch])
                 elapsed = time.perf_counter() - started
                 frames = sum(int(push.frames.shape[0]) for push, _ in batch)
+                if frames:
+                    per_frame = elapsed / frames
+                    self._s_per_frame = per_frame if self._s_per_frame is None \
+                        else 0.8 * self._s_per_frame + 0.2 * per_frame
                 with self._cond:
                     c = self._counters
                     c.passes += 1
@@ -310,12 +320,15 @@ class CodecWorker:
                 return (0, 0.0, arrival[key])  # no audio yet: its client waits for the first byte
             return (1, held.get(key, 0.0), arrival[key])
 
-        budget = self.max_frames_per_pass
+        budget = self._pass_budget()
         batch: list[tuple[CodecPush, int]] = []
         for key in sorted(self._pending, key=rank):
             entry = self._pending[key]
-            share = entry.count if key not in self._started else min(entry.count, self.max_frames_per_session)
-            take = min(share, budget)
+            # A session before its first audio brings its whole first push (up to the hard bound).
+            share = min(entry.count, self.max_frames_per_pass if key not in self._started
+                        else self.max_frames_per_session)
+            # The first session of a pass always brings its whole share: a pass makes progress.
+            take = share if not batch else min(share, budget)
             if take == 0 and not (entry.final and entry.count == 0):
                 if budget == 0:
                     break
@@ -328,6 +341,12 @@ class CodecWorker:
             batch.append((push, pushes))
             budget -= take
         return batch
+
+    def _pass_budget(self) -> int:
+        """Frames this pass may take: max_frames_per_pass, or what fits in max_pass_s at the measured cost."""
+        if self.max_pass_s is None or self._s_per_frame is None or self._s_per_frame <= 0:
+            return self.max_frames_per_pass
+        return max(1, min(self.max_frames_per_pass, int(self.max_pass_s / self._s_per_frame)))
 
     def _decode_group(self, group: list[tuple[CodecPush, int]]) -> None:
         pushes = [push for push, _ in group]
