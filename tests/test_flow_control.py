@@ -85,6 +85,29 @@ def test_no_codec_pass_exceeds_its_bound_and_a_new_session_goes_first() -> None:
     assert all(n <= 4 for call in decoder.calls for k, n in call if k != "new")
 
 
+def test_a_slow_codec_keeps_its_passes_short() -> None:
+    """20 ms a frame (SNAC on a small CPU) and max_pass_s 0.1: once the cost is measured, no pass takes
+    more than 5 frames, though 64 are allowed; every frame is still decoded once."""
+    decoder = _RecordingDecoder(per_frame_ms=20.0)
+    passes: list[int] = []
+    worker = CodecWorker(decoder, lambda r: None, max_frames_per_pass=64, max_frames_per_session=4,
+                         max_pass_s=0.1, on_pass=lambda frames, seconds: passes.append(frames))
+    for i in range(8):
+        worker.submit(CodecPush(f"s{i}", np.zeros((1, 7), dtype=np.int64)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum(passes) < 8 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for i in range(8):
+            worker.submit(CodecPush(f"s{i}", np.zeros((6, 7), dtype=np.int64), final=True))
+    finally:
+        assert worker.stop(30)
+    assert sum(passes) == 8 * 7
+    assert passes[0] == 8  # nothing measured yet: the frame bound alone
+    assert max(passes[1:]) <= 5, passes
+
+
 def test_closing_a_session_drops_its_pending_frames_before_the_next_pass() -> None:
     decoder = _RecordingDecoder(per_frame_ms=5.0)
     worker = CodecWorker(decoder, lambda r: None, max_frames_per_pass=8, max_frames_per_session=2)
