@@ -244,3 +244,16 @@ def test_first_push_covers_the_wait_for_the_next_frame(step_ms: float, codec_ms:
     assert sched.flow_stats().first_push_frames_last == expected
     audible_ms = (expected * SAMPLES_PER_FRAME - 4757) / SAMPLE_RATE * 1000
     assert audible_ms >= 1.5 * (7 * step_ms + 2 * codec_ms) or expected == 3
+
+
+def test_codec_capacity_counts_the_passes_the_worker_will_really_run() -> None:
+    """SNAC on a small CPU: 20 ms a pass plus 19 ms a frame. Passes kept within 100 ms hold 4 frames
+    (41.7 frames/s: 3 real-time streams); unbounded 64-frame passes would amortise the 20 ms (4 streams)."""
+    short = CapacityModel(max_batch=16, max_frames_per_pass=64, max_pass_s=0.1, headroom=0.0)
+    long = CapacityModel(max_batch=16, max_frames_per_pass=64, headroom=0.0)
+    for model in (short, long):
+        for i in range(40):
+            frames = 1 + i % 5
+            model.observe_codec_pass(frames, 0.020 + 0.019 * frames)
+    assert short.estimate(mean_context=100, streams=1, limit=16).codec_streams == 3
+    assert long.estimate(mean_context=100, streams=1, limit=16).codec_streams == 4

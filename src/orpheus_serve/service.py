@@ -143,6 +143,7 @@ class TTSService:
             config.scheduler, engine.num_slots, lookahead_frames=lookahead, max_seq_len=engine.max_seq_len,
             lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * protocol.SAMPLES_PER_FRAME),
             delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
+            max_pass_s=config.codec.max_pass_ms / 1000,
         )
         self._codec = CodecWorker(
             decoder, self._on_codec_result, max_batch=config.codec.max_batch,

@@ -23,7 +23,8 @@ real-time with `headroom` to spare:
     engine:  with n streams and at most B per step, each stream gets a token
              every step_s(min(n, B)) * ceil(n / B) seconds;
     codec:   n streams need n / FRAME_SECONDS frames per second; a pass of at
-             most F frames decodes F / pass_s(F) frames per second.
+             most F frames (fewer if pass_s(F) would pass `max_pass_s`)
+             decodes F / pass_s(F) frames per second.
 
 Extrapolation is kept honest: the fit only knows the loads it has seen, and a
 new stream's full cost shows only once its audio flows (its first tokens are
@@ -128,6 +129,7 @@ class CapacityModel:
         *,
         max_batch: int,
         max_frames_per_pass: int,
+        max_pass_s: float | None = None,
         headroom: float = 0.15,
         forget: float = 0.995,
         probe_factor: float = 1.5,
@@ -136,6 +138,7 @@ class CapacityModel:
     ) -> None:
         self.max_batch = max_batch
         self.max_frames_per_pass = max_frames_per_pass
+        self.max_pass_s = max_pass_s
         self.headroom = headroom
         self.probe_factor = probe_factor
         self.probe_min = probe_min
@@ -216,11 +219,14 @@ class CapacityModel:
         return interval * TOKENS_PER_FRAME * (1.0 + self.headroom) <= FRAME_SECONDS
 
     def _codec_streams(self) -> int | None:
-        frames = self.max_frames_per_pass
-        seconds = self.pass_s(frames)
-        if seconds is None:
+        coef = self._codec.coef
+        if coef is None:
             return None
-        if seconds <= 0:
+        frames = self.max_frames_per_pass
+        if self.max_pass_s is not None and coef[1] > 0:  # the worker keeps passes within max_pass_s
+            frames = max(1, min(frames, int((self.max_pass_s - coef[0]) / coef[1])))
+        seconds = self.pass_s(frames)
+        if seconds is None or seconds <= 0:
             return None
         frames_per_s = frames / seconds
         return int(frames_per_s * FRAME_SECONDS / (1.0 + self.headroom))

@@ -154,6 +154,7 @@ class Scheduler:
         lookahead_samples: int | None = None,
         delivery_feedback: bool = False,
         max_frames_per_pass: int = 64,
+        max_pass_s: float | None = None,
     ) -> None:
         """`lookahead_samples`: audio the decoder holds back until later frames arrive (defaults to
         `lookahead_frames` whole frames). `delivery_feedback`: the caller reports decoded frames and
@@ -171,7 +172,7 @@ class Scheduler:
             else lookahead_samples
         self._feedback = delivery_feedback
         self._capacity = CapacityModel(max_batch=self._batch_limit, max_frames_per_pass=max_frames_per_pass,
-                                       headroom=config.admission_headroom)
+                                       max_pass_s=max_pass_s, headroom=config.admission_headroom)
         self._estimate: CapacityEstimate | None = None  # cached for the current step
         self._estimate_step = -1
         self._plan_load: tuple[StepPlan, int, int, int, int] | None = None  # plan, batch, context, prefill, streams
