@@ -257,3 +257,26 @@ def test_codec_capacity_counts_the_passes_the_worker_will_really_run() -> None:
             model.observe_codec_pass(frames, 0.020 + 0.019 * frames)
     assert short.estimate(mean_context=100, streams=1, limit=16).codec_streams == 3
     assert long.estimate(mean_context=100, streams=1, limit=16).codec_streams == 4
+
+
+def test_a_finished_stream_counts_as_demand_until_the_codec_has_its_last_frames() -> None:
+    clock = FakeClock()
+    sched = measured_scheduler(clock, capacity_streams=1)
+    model = HandModel(frames=3)  # ends after 3 frames
+    sched.submit(request("a", clock))
+    sched.submit(request("b", clock))
+    finished = None
+    for _ in range(40):
+        _, events = run(sched, model, clock)
+        finished = finished or next((e for e in of_type(events, FramesReady) if e.final), None)
+        if finished:
+            break
+    assert finished is not None and sched.stats().active_sessions == 0
+    flow = sched.flow_stats()
+    assert flow.draining_streams == 1 and flow.demand_streams == 1
+    sched.schedule()
+    assert sched.session_state("b") is SessionState.WAITING  # the codec is still busy with "a"
+    sched.note_decoded("a", 3, 3 * SAMPLES_PER_FRAME, final=True)
+    sched.schedule()
+    assert sched.session_state("b") is SessionState.PREFILLING
+    assert sched.flow_stats().draining_streams == 0

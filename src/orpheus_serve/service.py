@@ -494,7 +494,8 @@ class TTSService:
 
     def _on_codec_result(self, result: CodecResult) -> None:
         """Codec worker thread -> asyncio loop. Converts to PCM here, off the loop."""
-        self._scheduler.note_decoded(str(result.key), result.frames, int(result.pcm.size))
+        self._scheduler.note_decoded(str(result.key), result.frames, int(result.pcm.size),
+                                     final=result.final or result.error is not None)
         if result.error:
             self._post(result.key, _Done(reason="error", error=f"codec error: {result.error}"))
             return

@@ -42,7 +42,9 @@ Flow control (DESIGN §5a), with playback time as the unit:
   each loop period (`record_step_time`) and the codec each pass
   (`record_codec_pass`) to a `CapacityModel`. A new session is admitted only
   while the streams that need real-time production (all admitted sessions but
-  paused slow readers) stay under the measured capacity; otherwise it waits
+  paused slow readers, plus finished ones whose last frames the codec has not
+  decoded yet: with a fast engine and a slow codec a stream's generation ends
+  long before its decoding) stay under the measured capacity; otherwise it waits
   (`admission: queue`) or is refused at submit (`admission: reject`).
   Continuation chunks of a stream already playing are not new streams and
   skip the check.
@@ -124,6 +126,7 @@ class FlowStats:
     engine_capacity_streams: int | None
     codec_capacity_streams: int | None
     demand_streams: int  # admitted sessions that need real-time production (paused slow readers excluded)
+    draining_streams: int  # of those, finished generating, last frames still at the codec
     admission_open: bool  # a new session would be admitted now
     predicted_step_ms: float | None
     predicted_codec_pass_ms: float | None
@@ -186,6 +189,8 @@ class Scheduler:
         self._waiting: dict[str, Session] = {}
         self._admitted: dict[str, Session] = {}
         self._by_slot: dict[int, Session] = {}
+        # Finished generating, final push still at the codec: still codec demand (delivery feedback only).
+        self._draining: dict[str, Session] = {}
         self._pending_release: list[int] = []
         self._events: list[SchedulerEvent] = []
 
@@ -275,6 +280,7 @@ class Scheduler:
         `reason` is reported verbatim in SessionFinished ("cancelled" unless the
         caller ends it for a timeout or an error of its own)."""
         with self._lock:
+            self._draining.pop(request_id, None)  # its client left while the codec finished it
             session = self._waiting.get(request_id) or self._admitted.get(request_id)
             if session is None:
                 return
@@ -396,12 +402,15 @@ class Scheduler:
         with self._lock:
             self._capacity.observe_codec_pass(frames, seconds)
 
-    def note_decoded(self, request_id: str, frames: int, samples: int) -> None:
-        """The codec ran `frames` more frames of this session and returned `samples` of audio."""
+    def note_decoded(self, request_id: str, frames: int, samples: int, *, final: bool = False) -> None:
+        """The codec ran `frames` more frames of this session and returned `samples` of audio;
+        `final`: that was its last result (the final push, or a failure)."""
         with self._lock:
-            session = self._admitted.get(request_id)
+            session = self._admitted.get(request_id) or self._draining.get(request_id)
             if session is not None:
                 session.record_decoded(frames, samples)
+            if final:
+                self._draining.pop(request_id, None)
 
     def note_delivered(self, request_id: str, samples: int) -> None:
         """The client's socket took `samples` more audio of this session."""
@@ -441,6 +450,7 @@ class Scheduler:
                 engine_capacity_streams=estimate.engine_streams,
                 codec_capacity_streams=estimate.codec_streams,
                 demand_streams=demand,
+                draining_streams=len(self._draining),
                 admission_open=self._admission_limit() is None or demand < estimate.max_streams,
                 predicted_step_ms=estimate.step_ms,
                 predicted_codec_pass_ms=estimate.codec_pass_ms,
@@ -548,6 +558,11 @@ class Scheduler:
         return end - start
 
     def _expire(self, now: float) -> None:
+        for request_id, session in list(self._draining.items()):
+            # A final result that never came (should not happen) must not hold capacity forever.
+            assert session.admitted_s is not None
+            if now - session.admitted_s > self._config.session_timeout_s:
+                del self._draining[request_id]
         queue_timeout = self._config.queue_timeout_s
         for session in list(self._waiting.values()):
             if now - session.request.arrival_s > queue_timeout:
@@ -670,7 +685,8 @@ class Scheduler:
     def _demand_streams(self, now: float) -> int:
         """Admitted sessions that need real-time production: a slow reader whose socket has not taken
         its server-side buffer consumes no engine steps and does not count."""
-        return sum(1 for s in self._admitted.values() if s.server_buffered_s <= self._config.max_server_buffer_s)
+        return len(self._draining) + sum(1 for s in self._admitted.values()
+                                         if s.server_buffered_s <= self._config.max_server_buffer_s)
 
     def _admission_limit(self) -> int | None:
         """Streams admission allows now; None (slots only) when nobody feeds the capacity measure
@@ -697,6 +713,8 @@ class Scheduler:
         frames = session.buffer.take_final()
         self._pushed(session, frames, now, final=True)
         events.append(FramesReady(session.request_id, frames, final=True))
+        if self._feedback:
+            self._draining[session.request_id] = session
         self._end(session, SessionState.FINISHED, reason, now, events)
 
     def _fail(self, session: Session, error: str, now: float, events: list[SchedulerEvent]) -> None:
