@@ -151,6 +151,7 @@ class ServerConfig(_Strict):
     max_ws_requests_per_connection: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(10.0, ge=0)
     stalled_client_timeout_s: float = Field(10.0, gt=0)  # a client that takes no audio this long is cut off
+    socket_send_buffer_bytes: int | None = Field(65536, ge=4096)  # kernel send buffer per HTTP/WS connection
     ready_max_backlog_s: float = Field(2.0, gt=0)  # /ready says saturated when the oldest undecoded frame is older
     switch_interval_ms: float = Field(1.0, gt=0, le=100)  # interpreter-lock hand-off between server threads
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -51,10 +51,15 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, send_buffer_bytes: int | None = None) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes:
+        # Inherited by every accepted connection. Without it the kernel grows a connection's send buffer
+        # to megabytes (a minute and more of PCM) for a client that does not read: memory the flow control
+        # cannot see, and a stall it cannot detect until that buffer is full.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -95,7 +100,7 @@ class OrpheusServer:
         info = self.service.model_info
         if info.tiny:
             log.warning(tiny_model_banner(info))
-        sock = _bind(server_cfg.host, server_cfg.http_port)
+        sock = _bind(server_cfg.host, server_cfg.http_port, server_cfg.socket_send_buffer_bytes)
         self.http_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(
             self.app, log_level=server_cfg.log_level, log_config=None, lifespan="off", ws="websockets-sansio",
