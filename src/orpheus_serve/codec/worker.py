@@ -241,6 +241,8 @@ class CodecWorker:
                 "dropped_frames": c.dropped_frames,
                 "callback_errors": c.callback_errors,
                 "queued_sessions": len(self._pending),
+                # Per-session state the decoder holds (the stateful decoder's pool rows); None if it keeps none.
+                "decoder_sessions": getattr(self.decoder, "active_sessions", None),
             }
 
     def backlog(self) -> tuple[int, float]:
