@@ -142,14 +142,20 @@ class _Soak:
             await asyncio.gather(*(one(i) for i in range(requests)))
 
 
-def _settled(server: LaunchedServer) -> dict:
-    """Stats once every session has ended (cancellations land within a step or two)."""
+def _outcomes(stats: dict) -> int:
+    return sum(sum(by_status.values()) for by_status in stats["gateway"]["requests"].values())
+
+
+def _settled(server: LaunchedServer, outcomes: int | None = None) -> dict:
+    """Stats once every session has ended and, if given, `outcomes` request outcomes are counted: a dropped
+    connection is noticed by the server a moment after the client has moved on. Bounded in time."""
     deadline = time.monotonic() + 30
     stats = server.stats()
     while time.monotonic() < deadline and (
             stats["scheduler"]["active_sessions"] or stats["scheduler"]["pending_sessions"]
             or stats["codec"]["queued_sessions"] or stats["flow"]["draining_streams"]
-            or sum(stats["gateway"]["active_streams"].values())):
+            or sum(stats["gateway"]["active_streams"].values())
+            or (outcomes is not None and _outcomes(stats) < outcomes)):
         time.sleep(0.2)
         stats = server.stats()
     return stats
@@ -166,7 +172,7 @@ def _soak(server: LaunchedServer, requests: int, max_tokens: int) -> tuple[_Soak
     started = time.perf_counter()
     asyncio.run(soak.run(requests))
     wall = time.perf_counter() - started
-    after = _settled(server)
+    after = _settled(server, outcomes=_outcomes(before) + requests)
     growth = _rss_mib(pid) - rss_before
     s0, s1 = before["scheduler"], after["scheduler"]
     print(f"soak: {requests} requests in {wall:.1f} s ({requests / wall:.0f}/s); RSS {rss_before:.1f} MB "
