@@ -100,3 +100,25 @@ def check_openai_error(response: httpx.Response, status: int, code: str | None =
     if code is not None:
         assert error["code"] == code, error
     return error
+
+
+def request_outcomes(snapshot: Mapping[str, Any]) -> int:
+    """Requests the gateway has counted an outcome for, all protocols and statuses."""
+    return sum(sum(by_status.values()) for by_status in snapshot["gateway"]["requests"].values())
+
+
+def settled_stats(get_stats: Callable[[], dict[str, Any]], *, outcomes: int | None = None,
+                  within_s: float = 30.0) -> dict[str, Any]:
+    """/v1/stats once every session has ended, the codec holds nothing, no stream is open and, if given,
+    `outcomes` request outcomes are counted (a dropped connection is noticed a moment after the client
+    has moved on). Bounded in time: the caller asserts on what it gets."""
+    deadline = time.monotonic() + within_s
+    while True:
+        snapshot = get_stats()
+        busy = (snapshot["scheduler"]["active_sessions"] or snapshot["scheduler"]["pending_sessions"]
+                or snapshot["codec"]["queued_sessions"] or snapshot["flow"]["draining_streams"]
+                or sum(snapshot["gateway"]["active_streams"].values())
+                or (outcomes is not None and request_outcomes(snapshot) < outcomes))
+        if not busy or time.monotonic() > deadline:
+            return snapshot
+        time.sleep(0.2)

@@ -20,7 +20,7 @@ from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
 from orpheus_serve.service import TTSService
 from orpheus_serve.synthesis import AudioChunk, SynthesisMetrics, SynthesisRequest
-from tests.gateway_support import sim_config, start_server
+from tests.gateway_support import settled_stats, sim_config, start_server
 
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
 
@@ -261,12 +261,7 @@ def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_mode
         assert len(audio) > 0 and len(audio) % FRAME_BYTES == 0
 
         # Everything the storm started has ended; the codec decoded little beyond what clients received.
-        deadline = time.monotonic() + 30
-        after = server.stats()
-        while (after["scheduler"]["active_sessions"] or after["scheduler"]["pending_sessions"]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.2)
-            after = server.stats()
+        after = settled_stats(server.stats)
         assert after["scheduler"]["active_sessions"] == 0 and after["scheduler"]["pending_sessions"] == 0
         assert after["kv_cache"]["used_slots"] == 0
         decoded = after["codec"]["frames_decoded"] - before["codec"]["frames_decoded"]

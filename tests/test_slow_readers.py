@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from orpheus_serve.benchmarking.launch import LaunchedServer
+from tests.gateway_support import settled_stats
 
 NORMAL = 8
 SLOW = 20  # read 1 KB/s
@@ -151,12 +152,7 @@ def test_slow_and_stalled_readers_do_not_touch_normal_streams(tiny_orpheus: Path
         cut = cut_times[:STOPPED]
 
         # Everything ends: no slot, no session, no codec state is left behind.
-        deadline = time.monotonic() + 30
-        stats = server.stats()
-        while (stats["scheduler"]["active_sessions"] or stats["codec"]["queued_sessions"]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.25)
-            stats = server.stats()
+        stats = settled_stats(server.stats)
         assert stats["kv_cache"]["used_slots"] == 0 and stats["scheduler"]["active_sessions"] == 0
         assert stats["codec"]["queued_sessions"] == 0 and stats["codec"]["backlog_frames"] == 0
         stalled = stats["gateway"]["requests"]["rest"].get("client_stalled", 0)

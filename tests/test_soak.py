@@ -26,6 +26,7 @@ from orpheus_serve.api.client import stream_url
 from orpheus_serve.api.proto import orpheus_pb2 as pb
 from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.benchmarking.launch import LaunchedServer
+from tests.gateway_support import request_outcomes, settled_stats
 
 CONCURRENCY = 32
 
@@ -142,37 +143,18 @@ class _Soak:
             await asyncio.gather(*(one(i) for i in range(requests)))
 
 
-def _outcomes(stats: dict) -> int:
-    return sum(sum(by_status.values()) for by_status in stats["gateway"]["requests"].values())
-
-
-def _settled(server: LaunchedServer, outcomes: int | None = None) -> dict:
-    """Stats once every session has ended and, if given, `outcomes` request outcomes are counted: a dropped
-    connection is noticed by the server a moment after the client has moved on. Bounded in time."""
-    deadline = time.monotonic() + 30
-    stats = server.stats()
-    while time.monotonic() < deadline and (
-            stats["scheduler"]["active_sessions"] or stats["scheduler"]["pending_sessions"]
-            or stats["codec"]["queued_sessions"] or stats["flow"]["draining_streams"]
-            or sum(stats["gateway"]["active_streams"].values())
-            or (outcomes is not None and _outcomes(stats) < outcomes)):
-        time.sleep(0.2)
-        stats = server.stats()
-    return stats
-
-
 def _soak(server: LaunchedServer, requests: int, max_tokens: int) -> tuple[_Soak, dict, float]:
     assert server.process is not None
     pid = server.process.pid
     warm = _Soak(server, max_tokens, seed=1)
     asyncio.run(warm.run(min(60, requests // 5)))  # warm every code path before the baseline RSS
-    before = _settled(server)
+    before = settled_stats(server.stats)
     rss_before = _rss_mib(pid)
     soak = _Soak(server, max_tokens, seed=2)
     started = time.perf_counter()
     asyncio.run(soak.run(requests))
     wall = time.perf_counter() - started
-    after = _settled(server, outcomes=_outcomes(before) + requests)
+    after = settled_stats(server.stats, outcomes=request_outcomes(before) + requests)
     growth = _rss_mib(pid) - rss_before
     s0, s1 = before["scheduler"], after["scheduler"]
     print(f"soak: {requests} requests in {wall:.1f} s ({requests / wall:.0f}/s); RSS {rss_before:.1f} MB "

@@ -2,14 +2,15 @@
 
 See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
 (slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to
-the codec), `events.py` (what the caller acts on), `simulate.py` (virtual-clock
-policy comparison on the sim engine).
+the codec), `capacity.py` (the running measure admission uses), `events.py`
+(what the caller acts on), `simulate.py` (virtual-clock policy comparison on
+the sim engine).
 """
 
 from .events import FINISH_REASONS, FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flush import FlushPolicy, FrameBuffer
 from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
-from .scheduler import Scheduler, SchedulerStats
+from .scheduler import FlowStats, Scheduler, SchedulerStats
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
@@ -17,6 +18,7 @@ __all__ = [
     "FINISH_REASONS",
     "DeadlinePolicy",
     "FairPolicy",
+    "FlowStats",
     "FlushPolicy",
     "FrameBuffer",
     "FramesReady",
