@@ -49,7 +49,10 @@ TEXTS = [f"Sentence number {i} is here." for i in range(16)]
 
 def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
     async def scenario() -> None:
-        service = TTSService.from_config(make_config(tiny_models), record_tokens=True)
+        # admission by slots alone: all 16 in the engine's batches at once (real-time admission would hold
+        # this CPU's SNAC to two streams), which is what this test is about.
+        service = TTSService.from_config(make_config(tiny_models, **{"scheduler.admission": "slots"}),
+                                         record_tokens=True)
         await service.start(warmup=False)
         try:
             alone = {}
@@ -107,26 +110,32 @@ def test_cancel_mid_stream_frees_the_slot(tiny_models: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_queue_bound_rejects_the_41st_at_once(tiny_models: Path) -> None:
+@pytest.mark.parametrize(("admission", "accepted"), [
+    ("slots", 32 + 8),  # every slot, then max_queue waiting
+    ("queue", 4 + 8),  # a cold server's first admissions (nothing measured yet: 4), then max_queue waiting
+])
+def test_queue_bound_refuses_at_once_past_what_can_be_admitted(tiny_models: Path, admission: str,
+                                                               accepted: int) -> None:
     cfg = make_config(
         tiny_models,
-        # 50 ms modelled steps: nothing can finish while the 41 requests are being submitted
-        **{"engine.backend": "sim", "engine.sim.realtime": True, "engine.sim.step_base_ms": 50.0,
+        # 20 ms modelled steps: nothing can finish while the requests are being submitted
+        **{"engine.backend": "sim", "engine.sim.realtime": True, "engine.sim.step_base_ms": 20.0,
            "engine.sim.end_after_frames": 3, "codec.decoder": "sim", "codec.sim.realtime": False,
-           "scheduler.max_concurrent_sessions": 32, "scheduler.max_batch_size": 16, "scheduler.max_queue": 8},
+           "scheduler.max_concurrent_sessions": 32, "scheduler.max_batch_size": 16, "scheduler.max_queue": 8,
+           "scheduler.admission": admission},
     )
 
     async def scenario() -> None:
         service = TTSService.from_config(cfg)
         await service.start(warmup=False)
         try:
-            gens = [service.synthesize(greedy(f"Request {i}.", f"q-{i}")) for i in range(41)]
-            # Start all 41 without letting any finish: the 41st must be refused immediately.
-            firsts = [asyncio.ensure_future(g.__anext__()) for g in gens[:40]]
+            gens = [service.synthesize(greedy(f"Request {i}.", f"q-{i}")) for i in range(accepted + 1)]
+            # Start them all without letting any finish: the last must be refused immediately.
+            firsts = [asyncio.ensure_future(g.__anext__()) for g in gens[:accepted]]
             await asyncio.sleep(0)
             with pytest.raises(QueueFullError) as info:
-                await gens[40].__anext__()
-            assert "queue" in str(info.value).lower() and info.value.retry_after_s > 0
+                await gens[accepted].__anext__()
+            assert "waiting" in str(info.value).lower() and info.value.retry_after_s > 0
             await asyncio.gather(*firsts)
 
             async def drain(g):
@@ -135,8 +144,8 @@ def test_queue_bound_rejects_the_41st_at_once(tiny_models: Path) -> None:
                     n += isinstance(item, SynthesisMetrics)
                 return n
 
-            done = await asyncio.gather(*(drain(g) for g in gens[:40]))
-            assert done == [1] * 40
+            done = await asyncio.gather(*(drain(g) for g in gens[:accepted]))
+            assert done == [1] * accepted
             assert service.stats()["requests"]["requests_rejected"] == 1
         finally:
             await service.shutdown(grace_s=0)

@@ -49,7 +49,9 @@ class SchedulerConfig(_Strict):
     max_undecoded_frames: int = Field(12, ge=2, le=4096)  # generated, not yet decoded: past it, no decode steps
     max_client_buffer_s: float = Field(3.0, gt=0)  # audio the client holds unplayed: past it, the session waits
     max_server_buffer_s: float = Field(2.0, gt=0)  # decoded audio not yet taken by the client's socket
-    admission: Literal["queue", "reject"] = "queue"  # over capacity: wait in the queue, or 503 at once
+    # Over the measured capacity: wait in the queue, or 503 at once. `slots`: admit whenever a slot is free
+    # (no real-time promise: bulk or offline synthesis that wants the biggest batches).
+    admission: Literal["queue", "reject", "slots"] = "queue"
     admission_headroom: float = Field(0.15, ge=0, le=4)  # admit while streams run this much faster than real time
     first_chunk_safety: float = Field(1.5, ge=1, le=10)  # first audio covers this many times the next frame's wait
 

@@ -242,9 +242,8 @@ class Scheduler:
         with self._lock:
             if req.request_id in self._waiting or req.request_id in self._admitted:
                 raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
-            free = self._slots.free_count + len(self._pending_release)
-            queued = len(self._waiting) - free  # waiting requests that no free slot will take
-            if self._config.admission == "reject" and req.playback_start_s is None:
+            continuation = req.playback_start_s is not None  # part of a stream already playing: never refused
+            if self._config.admission == "reject" and not continuation:
                 # Behind a load balancer: past the measured capacity, refuse at once so the client goes
                 # elsewhere. (While a cold server ramps up to what it has not measured yet, requests wait.)
                 capacity = self._current_estimate().measured_streams if self._feedback else None
@@ -256,13 +255,19 @@ class Scheduler:
                         f"reject); retry in {retry:.1f} s",
                         retry_after_s=retry,
                     )
-            if queued >= self._config.max_queue:
+            # Waiting requests that will not be admitted at the next step: past a free slot, or past the
+            # capacity admission allows.
+            admissible = self._slots.free_count + len(self._pending_release)
+            limit = self._admission_limit()
+            if limit is not None:
+                admissible = max(0, min(admissible, limit - self._demand_streams(self._clock())))
+            queued = len(self._waiting) - admissible
+            if queued >= self._config.max_queue and not continuation:
                 self._counts["rejected"] += 1
                 retry = self._retry_after_s(queued)
                 raise QueueFullError(
-                    f"server busy: all {self.num_slots} synthesis slots are in use and "
-                    f"{max(queued, 0)} requests are already waiting (max_queue={self._config.max_queue}); "
-                    f"retry in {retry:.1f} s",
+                    f"server busy: {self._busy_reason(limit)} and {max(queued, 0)} requests are already waiting "
+                    f"(max_queue={self._config.max_queue}); retry in {retry:.1f} s",
                     retry_after_s=retry,
                 )
             self._order += 1
@@ -689,9 +694,11 @@ class Scheduler:
                                          if s.server_buffered_s <= self._config.max_server_buffer_s)
 
     def _admission_limit(self) -> int | None:
-        """Streams admission allows now; None (slots only) when nobody feeds the capacity measure
-        (without delivery feedback: unit tests and the virtual-clock simulation)."""
-        return self._current_estimate().max_streams if self._feedback else None
+        """Streams admission allows now; None (slots only) with `admission: slots`, or when nobody feeds
+        the capacity measure (without delivery feedback: unit tests and the virtual-clock simulation)."""
+        if not self._feedback or self._config.admission == "slots":
+            return None
+        return self._current_estimate().max_streams
 
     def _current_estimate(self) -> CapacityEstimate:
         if self._estimate is None or self._estimate_step != self._step:
@@ -758,6 +765,11 @@ class Scheduler:
                 first_token_s=None if session.first_token_at is None else session.first_token_at - req.arrival_s,
             )
         )
+
+    def _busy_reason(self, limit: int | None) -> str:
+        if limit is not None and self._slots.free_count + len(self._pending_release):
+            return f"the {limit} real-time streams the server sustains are running"
+        return f"all {self.num_slots} synthesis slots are in use"
 
     def _retry_after_s(self, queued: int) -> float:
         """Rough time until this client would get a slot: the queue ahead of it
