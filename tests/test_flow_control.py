@@ -353,3 +353,45 @@ def test_reject_mode_answers_503_with_retry_after_at_once(tiny_orpheus: Path) ->
         assert flow["admission"] == "reject" and flow["capacity_streams"] == 1
     finally:
         server.stop()
+
+
+def test_a_websocket_client_that_stops_reading_is_cut_off_and_the_server_goes_on(tiny_orpheus: Path) -> None:
+    import json
+    import socket
+
+    from websockets.sync.client import connect as ws_connect
+
+    from orpheus_serve.api.client import stream_url
+
+    server = start_server(sim_config(tiny_orpheus, **{
+        "server.stalled_client_timeout_s": 1.0, "engine.sim.step_base_ms": 2.0,
+    }))
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds next to nothing for it
+        sock.connect(("127.0.0.1", server.http_port))
+        stalled = ws_connect(stream_url(server.base_url), sock=sock, max_size=None)
+        stalled.send(json.dumps({"text": "A very long story nobody reads.", "max_tokens": 2800}))
+        started = time.monotonic()
+
+        def outcome() -> dict:
+            return httpx.get(f"{server.base_url}/v1/stats").json()["gateway"]["requests"]["ws"]
+
+        while outcome().get("client_stalled", 0) == 0 and time.monotonic() - started < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - started
+        assert outcome().get("client_stalled", 0) == 1, outcome()
+        assert took >= 1.0
+        stalled.close_socket()
+        # Its session is gone and the server serves the next client as usual.
+        stats = settled_stats(lambda: httpx.get(f"{server.base_url}/v1/stats").json())
+        assert stats["scheduler"]["active_sessions"] == 0 and stats["kv_cache"]["used_slots"] == 0
+        with ws_connect(stream_url(server.base_url)) as ws:
+            ws.send(json.dumps({"text": "Hello.", "max_tokens": 70}))
+            while True:
+                message = ws.recv(timeout=30)
+                if isinstance(message, str):
+                    assert json.loads(message).get("done") is True, message
+                    break
+    finally:
+        server.stop()

@@ -413,10 +413,17 @@ class SpeechStream:
             return
         self._closed = True
         pump = self._pump
-        if pump is not None and not pump.done():
-            pump.cancel()
-            # Wait for the generator's cleanup (the service cancels the session there).
-            await asyncio.wait({pump})
+        try:
+            if pump is not None and not pump.done():
+                pump.cancel()
+                # Wait for the generator's cleanup (the service cancels the session there).
+                await asyncio.wait({pump})
+        finally:
+            # Even if this task is cancelled again while waiting: the slot, the count and the outcome
+            # must not leak (the pump was cancelled above and finishes on its own).
+            self._release(error)
+
+    def _release(self, error: BaseException | None) -> None:
         if self._lease is not None:
             self._lease.release()
         if error is not None and not isinstance(error, asyncio.CancelledError):

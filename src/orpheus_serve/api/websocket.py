@@ -26,13 +26,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
-from .gateway import Gateway
+from .gateway import Gateway, SpeechStream
 from .schemas import StreamRequestMessage, first_validation_error
 
 if TYPE_CHECKING:
@@ -229,26 +228,30 @@ class StreamConnection:
             await self._send_error(exc, request_id)
             return
         assert stream is not None
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        watcher = asyncio.create_task(self._cancel_when_stalled(stream, streaming))
         try:
-            async with anyio.create_task_group() as group:
-
-                async def drop_when_stalled() -> None:
-                    await stream.stalled.wait()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(drop_when_stalled)
-                async for data in stream.audio():
-                    await self._send_bytes(data)
-                group.cancel_scope.cancel()
+            async for data in stream.audio():
+                await self._send_bytes(data)
         except SynthesisError as exc:
             await self._send_error(exc, request_id)
             return
+        except asyncio.CancelledError:
+            if not stream.stalled.is_set():
+                raise
+            # Cancelled by the watcher: the client reads nothing (its socket is full), so no message can
+            # reach it; the connection is dropped.
+            raise ConnectionAbortedError(f"request {request_id}: the client stopped reading") from None
         finally:
+            watcher.cancel()
             await stream.close()
-        if stream.stalled.is_set():
-            # The client reads nothing (its socket is full): no message can reach it, drop the connection.
-            raise ConnectionAbortedError(f"request {request_id}: the client stopped reading")
         await self._send_json({"done": True, "request_id": request_id, "metrics": stream.metrics_dict()})
+
+    @staticmethod
+    async def _cancel_when_stalled(stream: SpeechStream, streaming: asyncio.Task[Any]) -> None:
+        await stream.stalled.wait()
+        streaming.cancel()
 
 
 def add_stream_route(app: FastAPI, gateway: Gateway) -> None:
