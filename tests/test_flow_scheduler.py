@@ -97,7 +97,7 @@ def measured_scheduler(clock: FakeClock, capacity_streams: int, **kw) -> Schedul
                       clock=clock, delivery_feedback=True)
     budget_ms = FRAME_SECONDS * 1000 / TOKENS_PER_FRAME
     b_ms = (budget_ms - A_MS) / (capacity_streams + 0.5)  # exactly `capacity_streams` fit
-    model = sched._capacity  # the measure is fed as the engine core would, without a model running
+    model = sched.capacity_model  # the measure is fed as the engine core would, without a model running
     for streams in (4, 6, 9, 14, 21, 32, 48):
         end = clock() + 1.0
         while clock() < end:
@@ -229,8 +229,8 @@ def test_first_push_covers_the_wait_for_the_next_frame(step_ms: float, codec_ms:
                       delivery_feedback=True)
     for _ in range(20):
         clock.advance(step_ms / 1000)
-        sched._capacity.observe_step(1, 100, 0, step_ms / 1000, streams=1, now=clock())
-        sched._capacity.observe_codec_pass(3, codec_ms / 1000)
+        sched.capacity_model.observe_step(1, 100, 0, step_ms / 1000, streams=1, now=clock())
+        sched.capacity_model.observe_codec_pass(3, codec_ms / 1000)
     model = HandModel(frames=None)
     sched.submit(request("a", clock))
     first = None

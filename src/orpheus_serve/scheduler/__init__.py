@@ -2,15 +2,17 @@
 
 See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
 (slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to
-the codec), `capacity.py` (the running measure admission uses), `events.py`
-(what the caller acts on), `simulate.py` (virtual-clock policy comparison on
-the sim engine).
+the codec), `flow.py` (backpressure, admission, first push sizing),
+`capacity.py` (the running measure admission uses), `events.py` (what the
+caller acts on), `simulate.py` (virtual-clock policy comparison on the sim
+engine).
 """
 
 from .events import FINISH_REASONS, FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
 from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
-from .scheduler import FlowStats, Scheduler, SchedulerStats
+from .scheduler import Scheduler, SchedulerStats
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
@@ -18,6 +20,7 @@ __all__ = [
     "FINISH_REASONS",
     "DeadlinePolicy",
     "FairPolicy",
+    "FlowControl",
     "FlowStats",
     "FlushPolicy",
     "FrameBuffer",

@@ -26,32 +26,15 @@ its arrival) or holding one longer than `session_timeout_s` (from its
 admission) ends with "timeout". `submit()` refuses at once (QueueFullError,
 with a retry hint) when every slot is taken and `max_queue` requests wait.
 
-Flow control (DESIGN §5a), with playback time as the unit:
-
-- Backpressure: a decoding session is left out of the step while it has
-  `max_undecoded_frames` generated but not decoded (and some of them are at
-  the codec, so the codec's feedback will resume it), while its socket has not
-  taken `max_server_buffer_s` of decoded audio (a slow reader), or while its
-  client holds more than `max_client_buffer_s` unplayed. It keeps its slot.
-  The codec reports decoded frames (`note_decoded`) and the service reports
-  what the client took (`note_delivered`); the playback model, and so the
-  `deadline` policy, runs on delivered audio. Without that feedback
-  (`delivery_feedback=False`: unit tests, the virtual-clock simulation) a push
-  counts as decoded and delivered the moment it leaves.
-- Capacity-aware admission (with delivery feedback): the engine core reports
-  each loop period (`record_step_time`) and the codec each pass
-  (`record_codec_pass`) to a `CapacityModel`. A new session is admitted only
-  while the streams that need real-time production (all admitted sessions but
-  paused slow readers, plus finished ones whose last frames the codec has not
-  decoded yet: with a fast engine and a slow codec a stream's generation ends
-  long before its decoding) stay under the measured capacity; otherwise it waits
-  (`admission: queue`) or is refused at submit (`admission: reject`).
-  Continuation chunks of a stream already playing are not new streams and
-  skip the check.
-- The first push is sized from the measured load: its audible part covers
-  `first_chunk_safety` times the wait for the next frame (7 token intervals
-  plus the codec's latency), so a stream produced at real time does not run
-  dry right after its first audio.
+Flow control (DESIGN §5a, `flow.py`): decoding sessions too far ahead of
+their codec or their client are left out of the step (they keep their slots);
+new sessions are admitted only under the measured capacity (`admission:
+queue` waits, `reject` refuses at submit, `slots` admits by free slots); the
+first push is sized from the measured load. The engine core reports each loop
+period (`record_step_time`), the codec each pass (`record_codec_pass`) and
+each session's decoded frames (`note_decoded`), the service what each client
+took (`note_delivered`); the playback model, and so the `deadline` policy,
+runs on delivered audio.
 
 Events (`events.py`) are what the caller acts on: FramesReady for the codec,
 SessionFinished / SessionFailed for the client. Events that arise outside
@@ -76,10 +59,11 @@ import numpy as np
 
 from ..config import SchedulerConfig
 from ..engines.base import PrefillChunk, StepOutput, StepPlan
-from ..protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
+from ..protocol import FRAME_SECONDS, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
 from ..synthesis import InvalidRequestError, QueueFullError
-from .capacity import CapacityEstimate, CapacityModel
+from .capacity import CapacityModel
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
 from .policy import SchedulingPolicy, make_policy
 from .session import Session, SessionRequest, SessionState
@@ -117,34 +101,6 @@ class SchedulerStats:
         return asdict(self)
 
 
-@dataclass(frozen=True, slots=True)
-class FlowStats:
-    """Flow control at a glance (the `flow` section of /v1/stats)."""
-
-    admission: str  # queue | reject
-    capacity_streams: int | None  # streams admission allows now: the measured bound (None: no measurement fed)
-    engine_capacity_streams: int | None
-    codec_capacity_streams: int | None
-    demand_streams: int  # admitted sessions that need real-time production (paused slow readers excluded)
-    draining_streams: int  # of those, finished generating, last frames still at the codec
-    admission_open: bool  # a new session would be admitted now
-    predicted_step_ms: float | None
-    predicted_codec_pass_ms: float | None
-    paused_codec: int  # sessions waiting for the codec to catch up
-    paused_client_buffer: int  # sessions whose client holds max_client_buffer_s
-    paused_server_buffer: int  # sessions whose socket has not taken max_server_buffer_s (slow readers)
-    max_undecoded_frames: int  # the most frames any live session has generated but not decoded
-    peak_undecoded_frames: int  # the most any session ever had, since start (never above the bound)
-    in_codec_frames: int  # frames pushed to the codec and not decoded, all sessions
-    backpressure_skips: int  # session-steps skipped by backpressure since start
-    admission_waits: int  # steps that left a session queued for capacity with a slot free
-    first_push_frames_last: int | None  # the last first push's size, frames
-    first_push_frames_mean: float | None
-
-    def as_dict(self) -> dict[str, int | float | str | bool | None]:
-        return asdict(self)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -168,18 +124,12 @@ class Scheduler:
         self._batch_limit = min(config.max_batch_size, num_slots)
         self._slots = SlotAllocator(num_slots)
         self._flush_policy = FlushPolicy.from_config(config, lookahead_frames)
-        if self._flush_policy.first_frames > config.max_undecoded_frames:
-            raise ValueError(f"the first push needs {self._flush_policy.first_frames} frames, more than "
-                             f"scheduler.max_undecoded_frames={config.max_undecoded_frames}")
-        self._lookahead_samples = lookahead_frames * SAMPLES_PER_FRAME if lookahead_samples is None \
-            else lookahead_samples
-        self._feedback = delivery_feedback
-        self._capacity = CapacityModel(max_batch=self._batch_limit, max_frames_per_pass=max_frames_per_pass,
-                                       max_pass_s=max_pass_s, headroom=config.admission_headroom)
-        self._estimate: CapacityEstimate | None = None  # cached for the current step
-        self._estimate_step = -1
+        self._flow = FlowControl(
+            config, flush_policy=self._flush_policy, batch_limit=self._batch_limit, num_slots=num_slots,
+            lookahead_samples=lookahead_frames * SAMPLES_PER_FRAME if lookahead_samples is None else lookahead_samples,
+            feedback=delivery_feedback, max_frames_per_pass=max_frames_per_pass, max_pass_s=max_pass_s,
+        )
         self._plan_load: tuple[StepPlan, int, int, int, int] | None = None  # plan, batch, context, prefill, streams
-        self._mean_context = 0.0
         self._policy: SchedulingPolicy = make_policy(
             config, first_push_tokens=self._flush_policy.first_frames * TOKENS_PER_FRAME
         )
@@ -189,8 +139,6 @@ class Scheduler:
         self._waiting: dict[str, Session] = {}
         self._admitted: dict[str, Session] = {}
         self._by_slot: dict[int, Session] = {}
-        # Finished generating, final push still at the codec: still codec demand (delivery feedback only).
-        self._draining: dict[str, Session] = {}
         self._pending_release: list[int] = []
         self._events: list[SchedulerEvent] = []
 
@@ -204,12 +152,6 @@ class Scheduler:
         self._decoded_sessions = 0
         self._stray_tokens = 0
         self._counts = {"finished": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "rejected": 0}
-        self._backpressure_skips = 0
-        self._peak_undecoded = 0
-        self._admission_waits = 0
-        self._first_push_last: int | None = None
-        self._first_push_total = 0
-        self._first_push_count = 0
 
     # ------------------------------------------------------------ request side
 
@@ -220,6 +162,11 @@ class Scheduler:
     @property
     def policy_name(self) -> str:
         return self._policy.name
+
+    @property
+    def capacity_model(self) -> CapacityModel:
+        """The running measure admission uses (fed by `record_step_time` and `record_codec_pass`)."""
+        return self._flow.capacity
 
     def submit(self, req: SessionRequest) -> None:
         """Queue a session. QueueFullError at once when every slot is taken and
@@ -246,8 +193,8 @@ class Scheduler:
             if self._config.admission == "reject" and not continuation:
                 # Behind a load balancer: past the measured capacity, refuse at once so the client goes
                 # elsewhere. (While a cold server ramps up to what it has not measured yet, requests wait.)
-                capacity = self._current_estimate().measured_streams if self._feedback else None
-                if capacity is not None and self._demand_streams(self._clock()) + len(self._waiting) >= capacity:
+                capacity = self._flow.reject_limit(self._admitted.values(), self._step)
+                if capacity is not None and self._flow.demand(self._admitted.values()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
                     retry = self._retry_after_s(len(self._waiting))
                     raise QueueFullError(
@@ -258,9 +205,9 @@ class Scheduler:
             # Waiting requests that will not be admitted at the next step: past a free slot, or past the
             # capacity admission allows.
             admissible = self._slots.free_count + len(self._pending_release)
-            limit = self._admission_limit()
+            limit = self._flow.admission_limit(self._admitted.values(), self._step)
             if limit is not None:
-                admissible = max(0, min(admissible, limit - self._demand_streams(self._clock())))
+                admissible = max(0, min(admissible, limit - self._flow.demand(self._admitted.values())))
             queued = len(self._waiting) - admissible
             if queued >= self._config.max_queue and not continuation:
                 self._counts["rejected"] += 1
@@ -285,7 +232,7 @@ class Scheduler:
         `reason` is reported verbatim in SessionFinished ("cancelled" unless the
         caller ends it for a timeout or an error of its own)."""
         with self._lock:
-            self._draining.pop(request_id, None)  # its client left while the codec finished it
+            self._flow.forget(request_id)  # its client may leave while the codec finishes it
             session = self._waiting.get(request_id) or self._admitted.get(request_id)
             if session is None:
                 return
@@ -317,11 +264,8 @@ class Scheduler:
 
             decoding = []
             for session in self._admitted.values():
-                if session.state is SessionState.DECODING:
-                    if self._pause_reason(session, now) is None:
-                        decoding.append(session)
-                    else:
-                        self._backpressure_skips += 1
+                if session.state is SessionState.DECODING and not self._flow.held_back(session, now):
+                    decoding.append(session)
             chosen = self._policy.select(decoding, self._batch_limit, now)
             plan.decode = sorted(s.slot for s in chosen if s.slot is not None)
 
@@ -397,25 +341,18 @@ class Scheduler:
             if load is None or load[0] is not plan:
                 return
             _, batch, context, prefill, streams = load
-            self._capacity.observe_step(batch, context, prefill, seconds, streams=streams, now=self._clock())
-            if batch:
-                self._mean_context = 0.95 * self._mean_context + 0.05 * (context / batch) if self._mean_context \
-                    else context / batch
+            self._flow.observe_step(batch, context, prefill, seconds, streams=streams, now=self._clock())
 
     def record_codec_pass(self, frames: int, seconds: float) -> None:
         """One codec worker pass: `frames` decoded in `seconds`."""
         with self._lock:
-            self._capacity.observe_codec_pass(frames, seconds)
+            self._flow.observe_codec_pass(frames, seconds)
 
     def note_decoded(self, request_id: str, frames: int, samples: int, *, final: bool = False) -> None:
         """The codec ran `frames` more frames of this session and returned `samples` of audio;
         `final`: that was its last result (the final push, or a failure)."""
         with self._lock:
-            session = self._admitted.get(request_id) or self._draining.get(request_id)
-            if session is not None:
-                session.record_decoded(frames, samples)
-            if final:
-                self._draining.pop(request_id, None)
+            self._flow.decoded(request_id, self._admitted.get(request_id), frames, samples, final=final)
 
     def note_delivered(self, request_id: str, samples: int) -> None:
         """The client's socket took `samples` more audio of this session."""
@@ -438,39 +375,7 @@ class Scheduler:
 
     def flow_stats(self) -> FlowStats:
         with self._lock:
-            now = self._clock()
-            estimate = self._current_estimate()
-            reasons = {"codec": 0, "client_buffer": 0, "server_buffer": 0}
-            max_undecoded = in_codec = 0
-            for session in self._admitted.values():
-                reason = self._pause_reason(session, now) if session.state is SessionState.DECODING else None
-                if reason is not None:
-                    reasons[reason] += 1
-                max_undecoded = max(max_undecoded, session.undecoded_frames)
-                in_codec += session.in_codec_frames
-            demand = self._demand_streams(now)
-            return FlowStats(
-                admission=self._config.admission,
-                capacity_streams=self._admission_limit(),
-                engine_capacity_streams=estimate.engine_streams,
-                codec_capacity_streams=estimate.codec_streams,
-                demand_streams=demand,
-                draining_streams=len(self._draining),
-                admission_open=self._admission_limit() is None or demand < estimate.max_streams,
-                predicted_step_ms=estimate.step_ms,
-                predicted_codec_pass_ms=estimate.codec_pass_ms,
-                paused_codec=reasons["codec"],
-                paused_client_buffer=reasons["client_buffer"],
-                paused_server_buffer=reasons["server_buffer"],
-                max_undecoded_frames=max_undecoded,
-                peak_undecoded_frames=self._peak_undecoded,
-                in_codec_frames=in_codec,
-                backpressure_skips=self._backpressure_skips,
-                admission_waits=self._admission_waits,
-                first_push_frames_last=self._first_push_last,
-                first_push_frames_mean=round(self._first_push_total / self._first_push_count, 3)
-                if self._first_push_count else None,
-            )
+            return self._flow.stats(list(self._admitted.values()), self._clock(), self._step)
 
     def session_state(self, request_id: str) -> SessionState | None:
         """State of a live session; None once it has ended (or was never submitted)."""
@@ -519,14 +424,14 @@ class Scheduler:
                 budget -= self._add_chunk(plan, session, budget)
         if budget <= 0 or not self._waiting or not self._slots.free_count:
             return
-        capacity = self._admission_limit()
-        demand = self._demand_streams(now) if capacity is not None else 0
+        capacity = self._flow.admission_limit(self._admitted.values(), self._step)
+        demand = self._flow.demand(self._admitted.values()) if capacity is not None else 0
         for session in list(self._waiting.values()):
             if budget <= 0 or not self._slots.free_count:
                 return
             continuation = session.request.playback_start_s is not None
             if capacity is not None and not continuation and demand >= capacity:
-                self._admission_waits += 1
+                self._flow.admission_waited()
                 continue  # over capacity: new streams wait; continuations of playing streams go on
             demand += 1
             del self._waiting[session.request_id]
@@ -563,11 +468,7 @@ class Scheduler:
         return end - start
 
     def _expire(self, now: float) -> None:
-        for request_id, session in list(self._draining.items()):
-            # A final result that never came (should not happen) must not hold capacity forever.
-            assert session.admitted_s is not None
-            if now - session.admitted_s > self._config.session_timeout_s:
-                del self._draining[request_id]
+        self._flow.expire(now)
         queue_timeout = self._config.queue_timeout_s
         for session in list(self._waiting.values()):
             if now - session.request.arrival_s > queue_timeout:
@@ -608,7 +509,7 @@ class Scheduler:
         # Ids past the end (an engine that streams ahead) are dropped with the session.
         if frames:
             session.buffer.add(np.stack(frames))
-            self._peak_undecoded = max(self._peak_undecoded, session.undecoded_frames)
+            self._flow.frames_added(session)
         if outcome == "length" and session.token_limit < session.request.sampling.max_tokens:
             self._fail(
                 session,
@@ -621,16 +522,12 @@ class Scheduler:
             self._complete(session, outcome, now, events)
         else:
             if session.first_frames is None and session.buffer.pending_frames >= self._flush_policy.first_frames:
-                session.first_frames = self._first_push_frames()
+                session.first_frames = self._flow.first_push_frames(len(self._admitted))
             ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now),
                                               every_frames=self._push_frames(session, now),
                                               first_frames=session.first_frames)
             if ready is not None:
-                if session.buffer.flushes == 1:
-                    self._first_push_last = int(ready.shape[0])
-                    self._first_push_total += self._first_push_last
-                    self._first_push_count += 1
-                self._pushed(session, ready, now, final=False)
+                self._flow.pushed(session, int(ready.shape[0]), now, final=False)
                 events.append(FramesReady(session.request_id, ready, final=False))
 
     def _push_frames(self, session: Session, now: float) -> int:
@@ -646,67 +543,6 @@ class Scheduler:
             multiple *= 2
         return min(every * multiple, self._config.max_undecoded_frames)
 
-    def _first_push_frames(self) -> int:
-        """Frames the first push waits for, so that its audible part covers `first_chunk_safety` times
-        the wait for the next frame at the measured load (7 token intervals + the codec's latency).
-        With headroom this is the policy's minimum; under load it grows by a frame or two."""
-        minimum = self._flush_policy.first_frames
-        streams = len(self._admitted)
-        interval = self._capacity.token_interval_s(streams, self._mean_context)
-        codec = self._capacity.codec_latency_s()
-        if interval is None or codec is None:
-            return minimum
-        wait_s = self._config.first_chunk_safety * (TOKENS_PER_FRAME * interval + codec)
-        needed = math.ceil((wait_s * SAMPLE_RATE + self._lookahead_samples) / SAMPLES_PER_FRAME)
-        return max(minimum, min(needed, self._config.max_undecoded_frames))
-
-    def _pushed(self, session: Session, frames: np.ndarray, now: float, *, final: bool) -> None:
-        """Frames left for the codec. Without feedback they count as decoded and delivered at once
-        (an ideal codec and client: what the audible part of the push would add)."""
-        session.record_flush(now)
-        if self._feedback:
-            return
-        policy = self._flush_policy
-        count = int(frames.shape[0])
-        after = session.buffer.flushed_frames
-        audible = (policy.audible_frames(after, final) - policy.audible_frames(after - count, False))
-        samples = audible * SAMPLES_PER_FRAME
-        session.record_decoded(count, samples)
-        session.record_delivery(now, samples)
-
-    def _pause_reason(self, session: Session, now: float) -> str | None:
-        """Why a decoding session gets no token this step, or None (DESIGN §5a backpressure)."""
-        config = self._config
-        # Only while some frames are at the codec: its feedback is what resumes the session.
-        if session.in_codec_frames > 0 and session.undecoded_frames >= config.max_undecoded_frames:
-            return "codec"
-        if session.server_buffered_s > config.max_server_buffer_s:
-            return "server_buffer"
-        held = session.client_held_s(now)
-        if held is not None and held > config.max_client_buffer_s:
-            return "client_buffer"
-        return None
-
-    def _demand_streams(self, now: float) -> int:
-        """Admitted sessions that need real-time production: a slow reader whose socket has not taken
-        its server-side buffer consumes no engine steps and does not count."""
-        return len(self._draining) + sum(1 for s in self._admitted.values()
-                                         if s.server_buffered_s <= self._config.max_server_buffer_s)
-
-    def _admission_limit(self) -> int | None:
-        """Streams admission allows now; None (slots only) with `admission: slots`, or when nobody feeds
-        the capacity measure (without delivery feedback: unit tests and the virtual-clock simulation)."""
-        if not self._feedback or self._config.admission == "slots":
-            return None
-        return self._current_estimate().max_streams
-
-    def _current_estimate(self) -> CapacityEstimate:
-        if self._estimate is None or self._estimate_step != self._step:
-            self._estimate = self._capacity.estimate(mean_context=self._mean_context, streams=len(self._admitted),
-                                                     limit=self.num_slots)
-            self._estimate_step = self._step
-        return self._estimate
-
     def _buffer_is_thin(self, session: Session, now: float) -> bool:
         """The client holds less audio than one regular push: frames should go out one by one."""
         if session.playback_end_s is None:
@@ -718,10 +554,9 @@ class Scheduler:
     def _complete(self, session: Session, reason: str, now: float, events: list[SchedulerEvent]) -> None:
         """stop / length: hand out every frame left, then end."""
         frames = session.buffer.take_final()
-        self._pushed(session, frames, now, final=True)
+        self._flow.pushed(session, int(frames.shape[0]), now, final=True)
         events.append(FramesReady(session.request_id, frames, final=True))
-        if self._feedback:
-            self._draining[session.request_id] = session
+        self._flow.finished(session)
         self._end(session, SessionState.FINISHED, reason, now, events)
 
     def _fail(self, session: Session, error: str, now: float, events: list[SchedulerEvent]) -> None:

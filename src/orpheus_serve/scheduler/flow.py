@@ -1,0 +1,264 @@
+"""Flow control decisions (DESIGN §5a): who is held back, who may be admitted, how big a first push is.
+
+Playback time is the unit. Each session knows where its audio is (`session.py`:
+generated -> pushed -> decoded -> delivered -> played); this module turns that
+into the scheduler's decisions:
+
+- Backpressure (`pause_reason`): a decoding session gets no token while it has
+  `max_undecoded_frames` generated but not decoded (and some of them are at the
+  codec, whose feedback resumes it), while its socket has not taken
+  `max_server_buffer_s` of decoded audio (a slow reader), or while its client
+  holds more than `max_client_buffer_s` unplayed. It keeps its slot.
+- Capacity-aware admission (`admission_limit`, `reject_limit`): the engine
+  core's loop periods and the codec's passes feed a `CapacityModel`; a new
+  stream is admitted only while the streams that need real-time production stay
+  under the measured capacity: every admitted session but paused slow readers,
+  plus finished ones whose last frames the codec has not decoded yet (with a
+  fast engine and a slow codec a stream's generation ends long before its
+  decoding). `admission: slots` turns this off (bulk synthesis).
+- First push sizing (`first_push_frames`): its audible part covers
+  `first_chunk_safety` times the wait for the next frame (7 token intervals plus
+  the codec's latency) at the measured load.
+
+Without delivery feedback (`feedback=False`: unit tests, the virtual-clock
+simulation) a push counts as decoded and delivered the moment it leaves, and
+admission is by slots alone. Not thread-safe: the scheduler calls it under its
+own lock. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
+
+from ..config import SchedulerConfig
+from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from .capacity import CapacityEstimate, CapacityModel
+from .flush import FlushPolicy
+from .session import Session, SessionState
+
+
+@dataclass(frozen=True, slots=True)
+class FlowStats:
+    """Flow control at a glance (the `flow` section of /v1/stats)."""
+
+    admission: str  # queue | reject | slots
+    capacity_streams: int | None  # streams admission allows now: the measured bound (None: by slots alone)
+    engine_capacity_streams: int | None
+    codec_capacity_streams: int | None
+    demand_streams: int  # admitted sessions that need real-time production (paused slow readers excluded)
+    draining_streams: int  # of those, finished generating, last frames still at the codec
+    admission_open: bool  # a new session would be admitted now
+    predicted_step_ms: float | None
+    predicted_codec_pass_ms: float | None
+    paused_codec: int  # sessions waiting for the codec to catch up
+    paused_client_buffer: int  # sessions whose client holds max_client_buffer_s
+    paused_server_buffer: int  # sessions whose socket has not taken max_server_buffer_s (slow readers)
+    max_undecoded_frames: int  # the most frames any live session has generated but not decoded
+    peak_undecoded_frames: int  # the most any session ever had, since start (never above the bound)
+    in_codec_frames: int  # frames pushed to the codec and not decoded, all sessions
+    backpressure_skips: int  # session-steps skipped by backpressure since start
+    admission_waits: int  # steps that left a session queued for capacity with a slot free
+    first_push_frames_last: int | None  # the last first push's size, frames
+    first_push_frames_mean: float | None
+
+    def as_dict(self) -> dict[str, int | float | str | bool | None]:
+        return asdict(self)
+
+
+class FlowControl:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        flush_policy: FlushPolicy,
+        batch_limit: int,
+        num_slots: int,
+        lookahead_samples: int,
+        feedback: bool,
+        max_frames_per_pass: int,
+        max_pass_s: float | None,
+    ) -> None:
+        if flush_policy.first_frames > config.max_undecoded_frames:
+            raise ValueError(f"the first push needs {flush_policy.first_frames} frames, more than "
+                             f"scheduler.max_undecoded_frames={config.max_undecoded_frames}")
+        self.config = config
+        self.feedback = feedback
+        self._flush_policy = flush_policy
+        self._num_slots = num_slots
+        self._lookahead_samples = lookahead_samples
+        self.capacity = CapacityModel(max_batch=batch_limit, max_frames_per_pass=max_frames_per_pass,
+                                      max_pass_s=max_pass_s, headroom=config.admission_headroom)
+        self._estimate: CapacityEstimate | None = None  # cached for one scheduler step
+        self._estimate_step = -1
+        self._mean_context = 0.0  # tokens of context per decoded session, smoothed
+        # Finished generating, final push still at the codec: still codec demand (feedback only).
+        self.draining: dict[str, Session] = {}
+        self._skips = 0
+        self._waits = 0
+        self._peak_undecoded = 0
+        self._first_push_last: int | None = None
+        self._first_push_total = 0
+        self._first_push_count = 0
+
+    # ------------------------------------------------------------ measurements
+
+    def observe_step(self, batch: int, context: int, prefill: int, seconds: float, *, streams: int,
+                     now: float) -> None:
+        self.capacity.observe_step(batch, context, prefill, seconds, streams=streams, now=now)
+        if batch:
+            per_session = context / batch
+            self._mean_context = per_session if not self._mean_context \
+                else 0.95 * self._mean_context + 0.05 * per_session
+
+    def observe_codec_pass(self, frames: int, seconds: float) -> None:
+        self.capacity.observe_codec_pass(frames, seconds)
+
+    # ------------------------------------------------------------ backpressure
+
+    def pause_reason(self, session: Session, now: float) -> str | None:
+        """Why a decoding session gets no token this step, or None."""
+        config = self.config
+        # Only while some frames are at the codec: its feedback is what resumes the session.
+        if session.in_codec_frames > 0 and session.undecoded_frames >= config.max_undecoded_frames:
+            return "codec"
+        if session.server_buffered_s > config.max_server_buffer_s:
+            return "server_buffer"
+        held = session.client_held_s(now)
+        if held is not None and held > config.max_client_buffer_s:
+            return "client_buffer"
+        return None
+
+    def held_back(self, session: Session, now: float) -> bool:
+        """`pause_reason` for the step being planned (counted)."""
+        if self.pause_reason(session, now) is None:
+            return False
+        self._skips += 1
+        return True
+
+    def frames_added(self, session: Session) -> None:
+        self._peak_undecoded = max(self._peak_undecoded, session.undecoded_frames)
+
+    def pushed(self, session: Session, count: int, now: float, *, final: bool) -> None:
+        """`count` frames left for the codec. Without feedback they count as decoded and delivered at once
+        (an ideal codec and client: what the audible part of the push adds)."""
+        session.record_flush(now)
+        if session.buffer.flushes == 1 and not final:
+            self._first_push_last = count
+            self._first_push_total += count
+            self._first_push_count += 1
+        if self.feedback:
+            return
+        policy = self._flush_policy
+        after = session.buffer.flushed_frames
+        samples = (policy.audible_frames(after, final) - policy.audible_frames(after - count, False)) \
+            * SAMPLES_PER_FRAME
+        session.record_decoded(count, samples)
+        session.record_delivery(now, samples)
+
+    def finished(self, session: Session) -> None:
+        """Its final push has left: it stays codec demand until the codec has decoded it."""
+        if self.feedback:
+            self.draining[session.request_id] = session
+
+    def decoded(self, request_id: str, session: Session | None, frames: int, samples: int, *, final: bool) -> None:
+        session = session or self.draining.get(request_id)
+        if session is not None:
+            session.record_decoded(frames, samples)
+        if final:
+            self.draining.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """Its client left: no more codec work is owed to it."""
+        self.draining.pop(request_id, None)
+
+    def expire(self, now: float) -> None:
+        for request_id, session in list(self.draining.items()):
+            # A final result that never came (should not happen) must not hold capacity forever.
+            assert session.admitted_s is not None
+            if now - session.admitted_s > self.config.session_timeout_s:
+                del self.draining[request_id]
+
+    # ------------------------------------------------------------ admission
+
+    def demand(self, admitted: Collection[Session]) -> int:
+        """Streams that need real-time production: a slow reader whose socket has not taken its
+        server-side buffer consumes no engine steps and does not count; a draining one does."""
+        limit = self.config.max_server_buffer_s
+        return len(self.draining) + sum(1 for s in admitted if s.server_buffered_s <= limit)
+
+    def admission_limit(self, admitted: Collection[Session], step: int) -> int | None:
+        """Streams admission allows now; None: by slots alone (`admission: slots`, or no feedback)."""
+        if not self.feedback or self.config.admission == "slots":
+            return None
+        return self.estimate(admitted, step).max_streams
+
+    def reject_limit(self, admitted: Collection[Session], step: int) -> int | None:
+        """`admission: reject` refuses past the measured capacity only: while a cold server ramps up to
+        what it has not measured yet, requests wait."""
+        if not self.feedback or self.config.admission != "reject":
+            return None
+        return self.estimate(admitted, step).measured_streams
+
+    def admission_waited(self) -> None:
+        self._waits += 1
+
+    def estimate(self, admitted: Collection[Session], step: int) -> CapacityEstimate:
+        if self._estimate is None or self._estimate_step != step:
+            self._estimate = self.capacity.estimate(mean_context=self._mean_context, streams=len(admitted),
+                                                    limit=self._num_slots)
+            self._estimate_step = step
+        return self._estimate
+
+    # ------------------------------------------------------------ first push
+
+    def first_push_frames(self, streams: int) -> int:
+        """Frames the first push waits for, so that its audible part covers `first_chunk_safety` times
+        the wait for the next frame at the measured load (7 token intervals + the codec's latency).
+        With headroom this is the policy's minimum; under load it grows by a frame or two."""
+        minimum = self._flush_policy.first_frames
+        interval = self.capacity.token_interval_s(streams, self._mean_context)
+        codec = self.capacity.codec_latency_s()
+        if interval is None or codec is None:
+            return minimum
+        wait_s = self.config.first_chunk_safety * (TOKENS_PER_FRAME * interval + codec)
+        needed = math.ceil((wait_s * SAMPLE_RATE + self._lookahead_samples) / SAMPLES_PER_FRAME)
+        return max(minimum, min(needed, self.config.max_undecoded_frames))
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self, admitted: Collection[Session], now: float, step: int) -> FlowStats:
+        estimate = self.estimate(admitted, step)
+        limit = self.admission_limit(admitted, step)
+        reasons = {"codec": 0, "client_buffer": 0, "server_buffer": 0}
+        max_undecoded = in_codec = 0
+        for session in admitted:
+            reason = self.pause_reason(session, now) if session.state is SessionState.DECODING else None
+            if reason is not None:
+                reasons[reason] += 1
+            max_undecoded = max(max_undecoded, session.undecoded_frames)
+            in_codec += session.in_codec_frames
+        demand = self.demand(admitted)
+        return FlowStats(
+            admission=self.config.admission,
+            capacity_streams=limit,
+            engine_capacity_streams=estimate.engine_streams,
+            codec_capacity_streams=estimate.codec_streams,
+            demand_streams=demand,
+            draining_streams=len(self.draining),
+            admission_open=limit is None or demand < limit,
+            predicted_step_ms=estimate.step_ms,
+            predicted_codec_pass_ms=estimate.codec_pass_ms,
+            paused_codec=reasons["codec"],
+            paused_client_buffer=reasons["client_buffer"],
+            paused_server_buffer=reasons["server_buffer"],
+            max_undecoded_frames=max_undecoded,
+            peak_undecoded_frames=self._peak_undecoded,
+            in_codec_frames=in_codec,
+            backpressure_skips=self._skips,
+            admission_waits=self._waits,
+            first_push_frames_last=self._first_push_last,
+            first_push_frames_mean=round(self._first_push_total / self._first_push_count, 3)
+            if self._first_push_count else None,
+        )
