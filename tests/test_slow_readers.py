@@ -50,9 +50,9 @@ async def _normal(http: httpx.AsyncClient, url: str, i: int) -> bytes:
     return response.content
 
 
-async def _raw_client(port: int, i: int, read_bytes_per_s: float, duration_s: float) -> dict:
+async def _raw_client(port: int, i: int, read_bytes_per_s: float, stop: asyncio.Event) -> dict:
     """POST by hand on a socket with a tiny receive buffer; read at `read_bytes_per_s` (0: never after the
-    head) for up to `duration_s`. Returns what it read and whether the server closed the connection."""
+    head) until `stop`. Returns what it read and whether the server closed the connection."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
@@ -70,7 +70,7 @@ async def _raw_client(port: int, i: int, read_bytes_per_s: float, duration_s: fl
         first = await asyncio.wait_for(loop.sock_recv(sock, 1024), 30)
         received += len(first)
         assert first.startswith(b"HTTP/1.1 200"), first[:100]
-        while time.monotonic() - started < duration_s:
+        while not stop.is_set():
             if read_bytes_per_s <= 0:
                 await asyncio.sleep(0.25)
                 # Not reading: only look whether the server has closed (a zero-byte peek would read).
@@ -124,17 +124,20 @@ def test_slow_and_stalled_readers_do_not_touch_normal_streams(tiny_orpheus: Path
         async def crowded() -> tuple[list[bytes], list[dict], list[dict], int]:
             async with httpx.AsyncClient(timeout=120.0) as http:
                 started = time.monotonic()
-                slow = [asyncio.create_task(_raw_client(port, i, 1024, 15.0)) for i in range(SLOW)]
-                stopped = [asyncio.create_task(_raw_client(port, 100 + i, 0, 15.0)) for i in range(STOPPED)]
+                stop = asyncio.Event()
+                slow = [asyncio.create_task(_raw_client(port, i, 1024, stop)) for i in range(SLOW)]
+                stopped = [asyncio.create_task(_raw_client(port, 100 + i, 0, stop)) for i in range(STOPPED)]
                 await asyncio.sleep(1.0)  # the slow ones are in, and their buffers are filling
                 normal = await asyncio.gather(*(_normal(http, url, i) for i in range(NORMAL)))
                 peak = _rss_kib(pid)
-                while time.monotonic() - started < 14.0:
+                # Until the server has cut every client that stopped reading (bounded: a minute).
+                while len(cut_times) < STOPPED and time.monotonic() - started < 60.0:
                     outcomes = (await http.get(f"{server.url}/v1/stats")).json()["gateway"]["requests"]["rest"]
                     peak = max(peak, _rss_kib(pid))
                     while len(cut_times) < outcomes.get("client_stalled", 0):
                         cut_times.append(time.monotonic() - started)
                     await asyncio.sleep(0.25)
+                stop.set()
                 return normal, await asyncio.gather(*slow), await asyncio.gather(*stopped), peak
 
         normal, slow, stopped, rss_peak = asyncio.run(crowded())
