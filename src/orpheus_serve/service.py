@@ -244,6 +244,11 @@ class TTSService:
 
     # -------------------------------------------------------------- validation
 
+    @property
+    def engine_alive(self) -> bool:
+        """False once the engine core has declared the engine dead (every retry of a step failed)."""
+        return self._core.engine_alive
+
     def validate(self, req: SynthesisRequest) -> SynthesisRequest:
         text = req.text if isinstance(req.text, str) else None
         if text is None or not text.strip():
@@ -297,6 +302,8 @@ class TTSService:
         """AudioChunk items, then one SynthesisMetrics. Closing early cancels."""
         if not self.accepting:
             raise ServiceUnavailableError("the server is not accepting requests (starting up or shutting down)")
+        if not self.engine_alive:
+            raise ServiceUnavailableError("the engine has failed; this server needs a restart")
         try:
             req = self.validate(req)
         except InvalidRequestError:
@@ -531,6 +538,8 @@ class TTSService:
             "total_batches": s.total_batches,
             "engine": {
                 "backend": self.model_info.backend,
+                "alive": self._core.engine_alive,
+                "failure": self._core.engine_failure,
                 "device": mem.device,
                 "steps": self._core.steps,
                 "step_errors": self._core.step_errors,

@@ -50,6 +50,7 @@ class SpeechService(Protocol):
     model_info: Any
     ready: bool
     accepting: bool
+    engine_alive: bool
 
     def validate(self, req: SynthesisRequest) -> SynthesisRequest: ...
     def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
@@ -166,9 +167,11 @@ class Gateway:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         return self.service.validate(request), output
 
-    def readiness(self) -> Literal["ready", "warming_up", "shutting_down"]:
+    def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed"]:
         if self.shutting_down:
             return "shutting_down"
+        if not self.service.engine_alive:
+            return "engine_failed"
         return "ready" if self.service.ready and self.service.accepting else "warming_up"
 
     def acquire_connection(self) -> ConnectionLease:
