@@ -232,28 +232,59 @@ def _read_until(process: subprocess.Popen[str], needle: str, timeout_s: float) -
     raise AssertionError(f"{needle!r} not logged within {timeout_s}s:\n{''.join(lines)}")
 
 
-def test_production_server_serves_and_stops_on_sigterm(tiny_orpheus: Path) -> None:
+def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(tiny_orpheus: Path) -> None:
+    grace_s = 15.0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p),
            "CUDA_VISIBLE_DEVICES": ""}
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "production_server.py"), "--host", "127.0.0.1", "--port", "0", "--grpc-port",
          "0", "--set", "engine.backend=sim", "--set", "codec.decoder=sim", "--set",
-         f"engine.model_path={tiny_orpheus}", "--set", "server.shutdown_grace_s=2"],
+         f"engine.model_path={tiny_orpheus}", "--set", f"server.shutdown_grace_s={grace_s}"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     try:
         lines = _read_until(process, "ready to serve", 90)
         listening = next(line for line in lines if "listening:" in line)
         http_port = int(listening.split("HTTP/WebSocket on ")[1].split(",")[0].rsplit(":", 1)[1])
         grpc_port = int(listening.split("gRPC on ")[1].split(" ")[0].rsplit(":", 1)[1])
-        assert httpx.get(f"http://127.0.0.1:{http_port}/ready").status_code == 200
-        result = asyncio.run(api_client.synthesize_grpc(f"127.0.0.1:{grpc_port}", "Hi.", max_tokens=28))
-        assert result.ok, result.error
-        process.send_signal(signal.SIGTERM)
+        base = f"http://127.0.0.1:{http_port}"
+        assert httpx.get(f"{base}/ready").status_code == 200
+
+        async def streams_across_sigterm() -> tuple[float, list[api_client.ClientResult]]:
+            # Seconds of audio each (25..50 frames at the sim engine's GPU-like pace).
+            ws = asyncio.create_task(api_client.synthesize_ws(base, "Finish me.", max_tokens=350, seed=1))
+            grpc_call = asyncio.create_task(api_client.synthesize_grpc(f"127.0.0.1:{grpc_port}", "Me too.",
+                                                                       max_tokens=350, seed=2))
+            deadline = time.monotonic() + 60
+            while not (stats_of(base)["scheduler"]["active_sessions"] == 2 and stats_of(base)["total_tokens"] > 60):
+                assert time.monotonic() < deadline, "the two streams never got going"
+                await asyncio.sleep(0.05)
+            signalled, signalled_at = time.monotonic(), time.perf_counter()
+            process.send_signal(signal.SIGTERM)
+            while httpx.get(f"{base}/ready").status_code != 503:
+                assert time.monotonic() - signalled < 5, "/ready did not turn 503 after SIGTERM"
+                await asyncio.sleep(0.02)
+            refused = httpx.post(f"{base}/v1/audio/speech", json={"input": "Too late."})
+            check_openai_error(refused, 503, "unavailable")
+            results = await asyncio.gather(ws, grpc_call)
+            assert time.monotonic() - signalled < grace_s
+            return signalled_at, results
+
+        signalled_at, results = asyncio.run(streams_across_sigterm())
+        for result in results:
+            assert result.ok, (result.protocol, result.error)
+            # Whole: every sample the server generated reached the client, and it ended normally.
+            assert result.metrics is not None and result.metrics["finish_reason"] in ("stop", "length")
+            assert len(result.audio) == 2 * result.metrics["samples"] > 2 * 2048 * 20, result.protocol
+            assert result.chunks[0][0] < signalled_at < result.chunks[-1][0]  # audio before and after the signal
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def stats_of(base: str) -> dict:
+    return httpx.get(f"{base}/v1/stats").json()
 
 
 def test_production_server_with_tensorrt_here_exits_at_once_naming_what_is_missing() -> None:

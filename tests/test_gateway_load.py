@@ -177,9 +177,11 @@ def test_websocket_disconnect_mid_stream_frees_the_slot(server: ServerThread) ->
 # ------------------------------------------------------------------ bad input
 
 
-def _http_cases(base: str) -> list[tuple[str, dict[str, Any], int]]:
+def _http_cases(base: str) -> list[tuple[str, dict[str, Any], int, str, str | None]]:
+    """(name, request, HTTP status, error code, error param)."""
     speech = f"{base}/v1/audio/speech"
     json_headers = {"Content-Type": "application/json"}
+    invalid = "invalid_request"
 
     def post(body: Any) -> dict[str, Any]:
         return {"method": "POST", "url": speech, "json": body}
@@ -188,67 +190,72 @@ def _http_cases(base: str) -> list[tuple[str, dict[str, Any], int]]:
         return {"method": "POST", "url": speech, "content": content, "headers": json_headers}
 
     return [
-        ("empty input", post({"input": ""}), 400),
-        ("whitespace input", post({"input": "  \n\t "}), 400),
-        ("input too long for the profile", post({"input": "a" * (MAX_TEXT + 1)}), 400),
-        ("unknown voice", post({"input": "hi", "voice": "bob"}), 400),
-        ("unknown response_format", post({"input": "hi", "response_format": "ogg"}), 400),
-        ("speed too low", post({"input": "hi", "speed": 0.1}), 400),
-        ("speed too high", post({"input": "hi", "speed": 10}), 400),
-        ("speed is a string", post({"input": "hi", "speed": "fast"}), 400),
-        ("speed is NaN", raw(b'{"input": "hi", "speed": NaN}'), 400),
-        ("malformed JSON", raw(b'{"input": "hi"'), 400),
-        ("body is not JSON at all", raw(b"\x00\xff\xfe garbage"), 400),
-        ("body is a JSON array", post(["hi"]), 400),
-        ("empty body", raw(b""), 400),
-        ("input is a number", post({"input": 42}), 400),
-        ("voice is a list", post({"input": "hi", "voice": []}), 400),
-        ("seed is a float", post({"input": "hi", "seed": 1.5}), 400),
-        ("missing input", post({"model": "tts-1", "voice": "tara"}), 400),
-        ("input and text differ", post({"input": "a", "text": "b"}), 400),
-        ("unknown field", post({"input": "hi", "volume": 11}), 400),
-        ("unknown stream_format", post({"input": "hi", "stream_format": "chunks"}), 400),
-        ("temperature negative", post({"input": "hi", "temperature": -1}), 400),
-        ("top_p above one", post({"input": "hi", "top_p": 1.5}), 400),
-        ("max_tokens negative", post({"input": "hi", "max_tokens": -7}), 400),
-        ("huge body", raw(b'{"input": "' + b"a" * 70_000 + b'"}'), 413),
-        ("GET on the speech endpoint", {"method": "GET", "url": speech}, 405),
-        ("unknown path", {"method": "POST", "url": f"{base}/v1/audio/sing", "json": {"input": "hi"}}, 404),
+        ("empty input", post({"input": ""}), 400, invalid, "input"),
+        ("whitespace input", post({"input": "  \n\t "}), 400, invalid, "input"),
+        ("input too long for the profile", post({"input": "a" * (MAX_TEXT + 1)}), 400, invalid, "input"),
+        ("unknown voice", post({"input": "hi", "voice": "bob"}), 400, invalid, "voice"),
+        ("unknown response_format", post({"input": "hi", "response_format": "ogg"}), 400, invalid, "response_format"),
+        ("speed too low", post({"input": "hi", "speed": 0.1}), 400, invalid, "speed"),
+        ("speed too high", post({"input": "hi", "speed": 10}), 400, invalid, "speed"),
+        ("speed is a string", post({"input": "hi", "speed": "fast"}), 400, invalid, "speed"),
+        ("speed is NaN", raw(b'{"input": "hi", "speed": NaN}'), 400, invalid, "speed"),
+        ("malformed JSON", raw(b'{"input": "hi"'), 400, invalid, None),
+        ("body is not JSON at all", raw(b"\x00\xff\xfe garbage"), 400, invalid, None),
+        ("body is a JSON array", post(["hi"]), 400, invalid, None),
+        ("empty body", raw(b""), 400, invalid, None),
+        ("input is a number", post({"input": 42}), 400, invalid, "input"),
+        ("voice is a list", post({"input": "hi", "voice": []}), 400, invalid, "voice"),
+        ("seed is a float", post({"input": "hi", "seed": 1.5}), 400, invalid, "seed"),
+        ("missing input", post({"model": "tts-1", "voice": "tara"}), 400, invalid, "input"),
+        ("input and text differ", post({"input": "a", "text": "b"}), 400, invalid, "text"),
+        ("unknown field", post({"input": "hi", "volume": 11}), 400, invalid, "volume"),
+        ("unknown stream_format", post({"input": "hi", "stream_format": "chunks"}), 400, invalid, "stream_format"),
+        ("temperature negative", post({"input": "hi", "temperature": -1}), 400, invalid, "temperature"),
+        ("top_p above one", post({"input": "hi", "top_p": 1.5}), 400, invalid, "top_p"),
+        ("max_tokens negative", post({"input": "hi", "max_tokens": -7}), 400, invalid, "max_tokens"),
+        ("huge body", raw(b'{"input": "' + b"a" * 70_000 + b'"}'), 413, "request_too_large", None),
+        ("GET on the speech endpoint", {"method": "GET", "url": speech}, 405, "method_not_allowed", None),
+        ("unknown path", {"method": "POST", "url": f"{base}/v1/audio/sing", "json": {"input": "hi"}}, 404,
+         "not_found", None),
     ]
 
 
-def _ws_cases() -> list[tuple[str, str | bytes]]:
+def _ws_cases() -> list[tuple[str, str | bytes, str | None]]:
+    """(name, message, error param); every reply is an invalid_request error message."""
     return [
-        ("binary garbage", b"\x00\x01\xfe\xff" * 64),
-        ("invalid JSON", "{not json"),
-        ("JSON array", '["hello"]'),
-        ("empty text", json.dumps({"text": ""})),
-        ("unknown voice", json.dumps({"text": "hi", "voice": "bob"})),
-        ("bad speed", json.dumps({"text": "hi", "speed": 9})),
-        ("bad sample rate", json.dumps({"text": "hi", "sample_rate": 1000})),
-        ("opus at 44.1 kHz", json.dumps({"text": "hi", "response_format": "opus", "sample_rate": 44100})),
-        ("unknown field", json.dumps({"text": "hi", "loudness": 3})),
-        ("malformed cancel", json.dumps({"cancel": "yes"})),
+        ("binary garbage", b"\x00\x01\xfe\xff" * 64, None),
+        ("invalid JSON", "{not json", None),
+        ("JSON array", '["hello"]', None),
+        ("empty text", json.dumps({"text": ""}), "input"),
+        ("unknown voice", json.dumps({"text": "hi", "voice": "bob"}), "voice"),
+        ("bad speed", json.dumps({"text": "hi", "speed": 9}), "speed"),
+        ("bad sample rate", json.dumps({"text": "hi", "sample_rate": 1000}), "sample_rate"),
+        ("opus at 44.1 kHz", json.dumps({"text": "hi", "response_format": "opus", "sample_rate": 44100}),
+         "sample_rate"),
+        ("unknown field", json.dumps({"text": "hi", "loudness": 3}), "loudness"),
+        ("malformed cancel", json.dumps({"cancel": "yes"}), "cancel"),
     ]
 
 
-def _grpc_cases() -> list[tuple[str, bytes, grpc.StatusCode]]:
+def _grpc_cases() -> list[tuple[str, bytes, grpc.StatusCode, str | None]]:
+    """(name, serialized request, status, error param in the trailing metadata). The size limit is gRPC's own:
+    no error metadata."""
     def req(**kwargs: Any) -> bytes:
         return pb.SynthesizeRequest(**kwargs).SerializeToString()
 
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     return [
-        ("empty text", req(text=""), invalid),
-        ("whitespace text", req(text="   "), invalid),
-        ("text too long", req(text="a" * (MAX_TEXT + 1)), invalid),
-        ("unknown voice", req(text="hi", voice="bob"), invalid),
-        ("unknown fields", req(text="hi") + b"\x98\x06\x01", invalid),
-        ("unknown format value", req(text="hi") + b"\x18\x63", invalid),
-        ("sample rate too low", req(text="hi", sample_rate=1000), invalid),
-        ("opus at 44.1 kHz", req(text="hi", format=pb.AUDIO_FORMAT_OPUS, sample_rate=44100), invalid),
-        ("speed too high", req(text="hi", speed=9.0), invalid),
-        ("bad top_p", req(text="hi", sampling=pb.SamplingOptions(top_p=2.0)), invalid),
-        ("message over server.max_body_bytes", req(text="a" * 70_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("empty text", req(text=""), invalid, "input"),
+        ("whitespace text", req(text="   "), invalid, "input"),
+        ("text too long", req(text="a" * (MAX_TEXT + 1)), invalid, "input"),
+        ("unknown voice", req(text="hi", voice="bob"), invalid, "voice"),
+        ("unknown fields", req(text="hi") + b"\x98\x06\x01", invalid, "SynthesizeRequest"),
+        ("unknown format value", req(text="hi") + b"\x18\x63", invalid, "format"),
+        ("sample rate too low", req(text="hi", sample_rate=1000), invalid, "sample_rate"),
+        ("opus at 44.1 kHz", req(text="hi", format=pb.AUDIO_FORMAT_OPUS, sample_rate=44100), invalid, "sample_rate"),
+        ("speed too high", req(text="hi", speed=9.0), invalid, "speed"),
+        ("bad top_p", req(text="hi", sampling=pb.SamplingOptions(top_p=2.0)), invalid, "top_p"),
+        ("message over server.max_body_bytes", req(text="a" * 70_000), grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     ]
 
 
@@ -256,7 +263,6 @@ def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: S
     base = server.base_url
     good_request = {"text": "The good stream keeps going.", "max_tokens": 350, "seed": 11}
     http_cases, ws_cases, grpc_cases = _http_cases(base), _ws_cases(), _grpc_cases()
-    assert len(http_cases) + len(ws_cases) + len(grpc_cases) >= 30
 
     async def good_stream() -> api_client.ClientResult:
         return await api_client.synthesize_ws(base, good_request["text"], max_tokens=good_request["max_tokens"],
@@ -265,13 +271,13 @@ def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: S
     async def http_suite() -> list[str]:
         problems = []
         async with httpx.AsyncClient(timeout=30) as http:
-            for name, spec, status in http_cases:
+            for name, spec, status, code, param in http_cases:
                 response = await http.request(**spec)
-                if response.status_code != status:
-                    problems.append(f"HTTP {name}: {response.status_code} {response.text[:200]}")
-                    continue
                 error = response.json().get("error", {})
-                if set(error) != {"message", "type", "param", "code"} or not error["message"]:
+                got = (response.status_code, error.get("code"), error.get("param"))
+                if got != (status, code, param):
+                    problems.append(f"HTTP {name}: {got}, expected {(status, code, param)}: {response.text[:200]}")
+                elif set(error) != {"message", "type", "param", "code"} or not error["message"]:
                     problems.append(f"HTTP {name}: not an OpenAI error body: {response.text[:200]}")
         return problems
 
@@ -280,11 +286,12 @@ def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: S
 
         problems = []
         async with connect(api_client.stream_url(base)) as ws:
-            for name, message in ws_cases:
+            for name, message, param in ws_cases:
                 await ws.send(message)
                 reply = json.loads(await asyncio.wait_for(ws.recv(), 30))
-                if "error" not in reply or not reply["error"].get("message"):
-                    problems.append(f"WS {name}: {reply}")
+                error = reply.get("error", {})
+                if (error.get("code"), error.get("param")) != ("invalid_request", param) or not error.get("message"):
+                    problems.append(f"WS {name}: {reply}, expected param {param!r}")
             # Still open and serving after every bad message.
             await ws.send(json.dumps({"text": "Still here.", **SHORT}))
             audio = 0
@@ -305,14 +312,17 @@ def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: S
             # Raw bytes in, so requests a stub could not build (unknown fields) go over the wire as sent.
             synthesize = channel.unary_stream("/orpheus.v1.Synthesizer/Synthesize",
                                               response_deserializer=pb.SynthesizeResponse.FromString)
-            for name, payload, code in grpc_cases:
+            for name, payload, code, param in grpc_cases:
                 try:
                     async for _ in synthesize(payload, timeout=30):
                         pass
                     problems.append(f"gRPC {name}: succeeded")
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() != code or not exc.details():
-                        problems.append(f"gRPC {name}: {exc.code().name} {exc.details()}")
+                    trailing = dict(exc.trailing_metadata() or ())
+                    expected_code = None if param is None else "invalid_request"
+                    got = (exc.code(), trailing.get("error-code"), trailing.get("error-param"))
+                    if got != (code, expected_code, param) or not exc.details():
+                        problems.append(f"gRPC {name}: {got} {exc.details()}, expected {(code, expected_code, param)}")
         return problems
 
     async def everything():

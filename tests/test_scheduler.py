@@ -203,20 +203,22 @@ def test_engine_failure_protocol_error_and_engine_finish() -> None:
     assert (stats.failed, stats.finished) == (2, 1)
 
 
-def test_context_limit_fails_the_session_and_an_oversized_prompt_is_refused() -> None:
+def test_context_limit_ends_the_session_with_length_and_an_oversized_prompt_is_refused() -> None:
     clock = FakeClock()
-    sched = Scheduler(config(), num_slots=1, clock=clock, max_seq_len=48)
-    with pytest.raises(InvalidRequestError, match="max_seq_len=48"):
+    sched = Scheduler(config(), num_slots=1, clock=clock, max_seq_len=50)
+    with pytest.raises(InvalidRequestError, match="max_seq_len=50"):
         sched.submit(request("big", clock, prompt_len=45))
-    sched.submit(request("a", clock, prompt_len=20))
+    sched.submit(request("a", clock, prompt_len=20))  # asks for more than the 30 tokens of room
     model = HandModel()
     events: list = []
     while sched.has_work:
         events += run_step(sched, model, clock)[1]
-    [failed] = of_type(events, SessionFailed)
-    assert "max_seq_len=48" in failed.error
+    # A clamped session ends like one that reached max_tokens: a normal "length" finish after its last
+    # whole frame (28 of the 30 tokens of room), with every frame handed out.
+    assert not of_type(events, SessionFailed)
     [finished] = of_type(events, SessionFinished)
-    assert (finished.reason, finished.tokens) == ("error", 28)
+    assert (finished.reason, finished.tokens, finished.frames) == ("length", 28, 4)
+    assert sum(e.num_frames for e in of_type(events, FramesReady)) == 4
 
 
 def test_submit_rejects_duplicate_ids_and_empty_prompts() -> None:

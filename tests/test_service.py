@@ -79,6 +79,44 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: Path) -> None:
+    """Content, not just length: the PCM a client receives for a two-chunk text is, sample for sample, what
+    decoding each chunk's generated frames in one offline call gives (SNAC noise off)."""
+    from orpheus_serve.codec import decode_offline, load_snac
+    from orpheus_serve.service import pcm16
+
+    text = ("The first sentence of this text runs long enough to fill most of one chunk on its own, and then "
+            "some more words follow it. The second sentence lands in a chunk of its own, which the service "
+            "plays right after the first.")
+    assert 200 < len(text) <= 250
+
+    async def scenario() -> tuple[bytes, SynthesisMetrics, list[list[list[int]]]]:
+        service = TTSService.from_config(make_config(tiny_models), record_tokens=True)
+        await service.start(warmup=False)
+        try:
+            req = SynthesisRequest(text=text, temperature=0.0, max_tokens=70, request_id="content")
+            pcm, metrics = await collect(service, req)
+            assert service.token_log is not None
+            return pcm, metrics, [service.token_log[f"content-{k}"]["frames"] for k in range(metrics.text_chunks)]
+        finally:
+            await service.shutdown(grace_s=0)
+
+    pcm, metrics, chunk_frames = asyncio.run(scenario())
+    assert metrics.text_chunks == 2 and all(chunk_frames)
+    snac = load_snac(str(tiny_models / "tiny-snac"), noise=False)
+    expected = b"".join(pcm16(decode_offline(snac, np.asarray(frames))) for frames in chunk_frames)
+    assert len(pcm) == len(expected) == 2 * metrics.samples
+    got = np.frombuffer(pcm, "<i2").astype(np.int32)
+    want = np.frombuffer(expected, "<i2").astype(np.int32)
+    assert np.sqrt(np.mean(want.astype(np.float64) ** 2)) > 100  # real signal, not silence
+    # The stateful decoder is exact; float32 rounding may move a sample across an int16 step, never more.
+    assert np.abs(got - want).max() <= 1
+    assert np.mean(got == want) > 0.99
+    # What the comparison catches: audio shifted by one frame (a dropped or repeated frame) is far off.
+    shift = protocol.SAMPLES_PER_FRAME
+    assert np.abs(got[shift:] - want[:-shift]).max() > 100
+
+
 def test_cancel_mid_stream_frees_the_slot(tiny_models: Path) -> None:
     async def scenario() -> None:
         service = TTSService.from_config(make_config(tiny_models))

@@ -114,7 +114,7 @@ def test_realtime_mode_sleeps_for_the_modelled_latency(monkeypatch: pytest.Monke
 
 
 def test_plans_that_break_the_contract_fail_only_their_slot() -> None:
-    engine = SimEngine(3, 64, COST)
+    engine = SimEngine(3, 64, COST.model_copy(update={"end_after_frames": 100}))  # runs into max_seq_len
     out = engine.step(
         StepPlan(
             prefill=[chunk(0, "a", prompt_len=20, end=8), chunk(1, "b", prompt_len=20, start=8, end=20)],

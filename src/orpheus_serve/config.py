@@ -160,10 +160,17 @@ class ServerConfig(_Strict):
 
 
 class ProfileConfig(_Strict):
-    max_text_chars: int = Field(ge=1)
+    max_text_chars: int = Field(ge=1)  # counted after normalisation (text.py)
+    # Tokens of the normalised text, all chunks together; None: 2 x max_text_chars (a character limit alone
+    # lets token-dense text through: 250 emoji were about 1,000 prompt tokens).
+    max_prompt_tokens: int | None = Field(None, ge=1)
     target_concurrent: int = Field(ge=1)
     target_ttfb_ms: float = Field(gt=0)
     overrides: dict[str, Any] = {}
+
+    @property
+    def prompt_token_limit(self) -> int:
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None else 2 * self.max_text_chars
 
 
 DEFAULT_PROFILES = {

@@ -20,8 +20,23 @@ scheduler (`record_step_time`): that, not the engine call alone, is what a
 stream waits between two tokens, and it feeds the capacity measure that
 admission uses.
 
-An exception from `engine.step` fails the sessions in that plan (the
-scheduler releases their slots) and the loop goes on for everybody else.
+A step that raises fails only its culprit. The engine core runs the plan's
+releases on their own, then its sessions again in halves (and halves of
+those) until every session has either run in a sub-step that succeeded, so
+its one token for this step is delivered as if nothing had happened, or
+failed alone, with its own error. Engines make this safe: a step that raises
+changes no session (see each engine's docstring), so a session's token is
+the one it would have got in the full batch. A plan of n sessions with one
+culprit costs about 2·log2(n) extra engine calls, once.
+
+An engine that fails sessions that have nothing in common is broken, not
+attacked: when `DEAD_AFTER_LONE_FAILURES` sessions have failed alone in
+failed steps where nothing else ran either, with no successful engine call
+in between, the engine is declared dead.
+From then on no step reaches it, every session fails at once, `submit`
+refuses new work (ServiceUnavailableError: 503 / UNAVAILABLE), and
+`engine_alive` is False (the gateway's /ready answers 503 `engine_failed`).
+Only a restart brings it back.
 """
 
 from __future__ import annotations
@@ -33,10 +48,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .codec.base import CodecPush
-from .engines.base import StepOutput, StepPlan, TokenEngine
+from .engines.base import PrefillChunk, StepOutput, StepPlan, TokenEngine
 from .scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
+from .synthesis import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
+
+# Sessions in a row that must fail on their own, with no success in between, before the engine is dead. One is
+# a bad request (and fails alone); two unrelated ones failing alone means it is not about the requests.
+DEAD_AFTER_LONE_FAILURES = 2
 
 
 class CodecSink(Protocol):
@@ -73,11 +93,20 @@ class EngineCore:
         self.steps = 0
         self.step_errors = 0
         self.busy_s = 0.0
+        self.engine_failure: str | None = None  # set when the engine is declared dead
+        self._lone_failures = 0  # sessions failed alone since the engine last ran anything successfully
 
     # ------------------------------------------------------------ from asyncio
 
+    @property
+    def engine_alive(self) -> bool:
+        return self.engine_failure is None
+
     def submit(self, req: SessionRequest) -> None:
-        """Queue a session; raises QueueFullError at once when the queue is full."""
+        """Queue a session; raises QueueFullError at once when the queue is full, and
+        ServiceUnavailableError once the engine is dead."""
+        if self.engine_failure is not None:
+            raise ServiceUnavailableError(f"the engine has failed and the server needs a restart: {self.engine_failure}")
         self._scheduler.submit(req)
         self._wake()
 
@@ -142,13 +171,60 @@ class EngineCore:
             self._scheduler.record_step_time(plan, time.perf_counter() - period_start)
 
     def _step(self, plan: StepPlan) -> StepOutput:
+        if self.engine_failure is not None:
+            return StepOutput(failed={slot: f"engine failed: {self.engine_failure}" for slot in _slots_of(plan)})
         try:
-            return self._engine.step(plan)
-        except Exception as exc:  # the engine failed this plan: fail its sessions, keep serving
+            output = self._engine.step(plan)
+        except Exception as exc:  # find the session(s) at fault; everybody else keeps this step's token
             self.step_errors += 1
-            log.exception("engine step failed; failing the %d sessions in it", len(plan.decode) + len(plan.prefill))
-            slots = set(plan.decode) | {c.slot for c in plan.prefill}
-            return StepOutput(failed={s: f"engine error: {exc}" for s in slots})
+            log.exception("engine step over %d sessions failed; running them again in smaller groups",
+                          len(plan.decode) + len(plan.prefill))
+            return self._isolate(plan, exc)
+        if plan.prefill or plan.decode:
+            self._lone_failures = 0
+        return output
+
+    def _isolate(self, plan: StepPlan, error: Exception) -> StepOutput:
+        """The output `plan` would have had if only its culprits had failed (see the module docstring)."""
+        out = StepOutput()
+        if plan.release:  # released slots belong to nobody: free them first, on their own
+            try:
+                _merge(out, self._engine.step(StepPlan(release=plan.release)))
+            except Exception as exc:
+                self._declare_dead(f"releasing slots failed: {exc}")
+                return self._step(plan)
+        units: list[PrefillChunk | int] = [*plan.prefill, *plan.decode]
+        pending: list[tuple[list[PrefillChunk | int], Exception]] = [(units, error)]
+        succeeded = False  # some sub-step ran: the engine works, the failures are the sessions' own
+        alone = 0
+        while pending:
+            group, exc = pending.pop()
+            if len(group) == 1:
+                [unit] = group
+                out.failed[unit.slot if isinstance(unit, PrefillChunk) else unit] = f"engine error: {exc}"
+                alone += 1
+                continue
+            for half in (group[: len(group) // 2], group[len(group) // 2 :]):
+                sub = StepPlan(prefill=[u for u in half if isinstance(u, PrefillChunk)],
+                               decode=[u for u in half if not isinstance(u, PrefillChunk)])
+                sub.priority = {s: p for s, p in plan.priority.items() if s in _slots_of(sub)}
+                try:
+                    _merge(out, self._engine.step(sub))
+                except Exception as sub_error:
+                    pending.append((half, sub_error))
+                else:
+                    succeeded = True
+        log.warning("isolated the failed step: %d of %d sessions failed (%s)", len(out.failed), len(units),
+                    ", ".join(f"slot {s}: {e}" for s, e in sorted(out.failed.items())))
+        self._lone_failures = 0 if succeeded else self._lone_failures + alone
+        if self._lone_failures >= DEAD_AFTER_LONE_FAILURES:
+            self._declare_dead(f"{self._lone_failures} sessions in a row failed on their own; last: {error}")
+        return out
+
+    def _declare_dead(self, reason: str) -> None:
+        if self.engine_failure is None:
+            self.engine_failure = reason
+            log.critical("the engine is dead (%s); refusing new requests until the server is restarted", reason)
 
     def _dispatch(self, events: list[SchedulerEvent]) -> None:
         for event in events:
@@ -161,3 +237,16 @@ class EngineCore:
                 # No final push will come: drop the codec's state for it (queued behind its pushes).
                 self._codec.close_session(event.request_id)
             self._on_event(event)
+
+
+def _slots_of(plan: StepPlan) -> set[int]:
+    return {*plan.decode, *(c.slot for c in plan.prefill)}
+
+
+def _merge(out: StepOutput, part: StepOutput) -> None:
+    """Add one sub-step's output to a step's; tokens in order, as an engine that batches itself returns them."""
+    for slot, ids in part.tokens.items():
+        out.tokens.setdefault(slot, []).extend(ids)
+    out.finished.update(part.finished)
+    out.failed.update(part.failed)
+    out.elapsed_s += part.elapsed_s

@@ -45,7 +45,7 @@ from . import protocol
 from .codec.base import CodecResult, StreamingDecoder
 from .config import Config
 from .engine_core import EngineCore
-from .engines.base import SamplingParams, TokenEngine
+from .engines.base import SEED_MAX, SamplingParams, TokenEngine
 from .scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished, SessionRequest
 from .synthesis import (
     AudioChunk,
@@ -58,6 +58,7 @@ from .synthesis import (
     SynthesisTimeoutError,
 )
 from .text import normalize_text, split_text
+from .validation import Limits, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class TTSService:
             max_pass_s=config.codec.max_pass_ms / 1000,
             held_audio_s=self._scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
         )
+        self._limits = Limits.from_config(config, max_seq_len=engine.max_seq_len, chunk_chars=TEXT_CHUNK_CHARS)
         # session id -> (prompt ids, frames so far, finish reason); only for tooling (--tokens-out)
         self.token_log: dict[str, dict[str, Any]] | None = {} if record_tokens else None
         self._core = EngineCore(self._scheduler, engine, self._codec, self._on_scheduler_event,
@@ -262,35 +264,15 @@ class TTSService:
 
     # -------------------------------------------------------------- validation
 
+    @property
+    def engine_alive(self) -> bool:
+        """False once the engine core has declared the engine dead (every retry of a step failed)."""
+        return self._core.engine_alive
+
     def validate(self, req: SynthesisRequest) -> SynthesisRequest:
-        text = req.text if isinstance(req.text, str) else None
-        if text is None or not text.strip():
-            raise InvalidRequestError("input text is empty", param="input")
-        limit = self.config.active_profile.max_text_chars
-        if len(text) > limit:
-            raise InvalidRequestError(
-                f"input is {len(text)} characters; the {self.config.profile!r} profile allows at most {limit}",
-                param="input",
-            )
-        try:
-            voice = protocol.resolve_voice(req.voice)
-        except protocol.UnknownVoiceError as exc:
-            raise InvalidRequestError(str(exc), param="voice") from None
-        checks: list[tuple[str, Any, float, float]] = [
-            ("temperature", req.temperature, 0.0, 5.0),
-            ("top_p", req.top_p, 1e-6, 1.0),
-            ("repetition_penalty", req.repetition_penalty, 1.0, 3.0),
-        ]
-        for name, value, lo, hi in checks:
-            if value is not None and not (isinstance(value, int | float) and lo <= value <= hi):
-                raise InvalidRequestError(f"{name} must be a number in [{lo:g}, {hi:g}]", param=name)
-        if req.top_k is not None and (not isinstance(req.top_k, int) or req.top_k < 0):
-            raise InvalidRequestError("top_k must be a non-negative integer", param="top_k")
-        if req.max_tokens is not None and (not isinstance(req.max_tokens, int) or req.max_tokens < 7):
-            raise InvalidRequestError("max_tokens must be an integer >= 7 (one audio frame)", param="max_tokens")
-        if req.seed is not None and not isinstance(req.seed, int):
-            raise InvalidRequestError("seed must be an integer", param="seed")
-        return replace(req, voice=voice)
+        """`req` checked against what this server's engine can take (validation.py): text normalised,
+        voice resolved, max_tokens clamped to the context. InvalidRequestError naming the parameter."""
+        return validate_request(req, self._limits, prompt_len=lambda voice, text: len(self.prompt_ids(voice, text)))
 
     def _sampling_for(self, req: SynthesisRequest, text: str) -> SamplingParams:
         s = self.config.sampling
@@ -315,6 +297,8 @@ class TTSService:
         """AudioChunk items, then one SynthesisMetrics. Closing early cancels."""
         if not self.accepting:
             raise ServiceUnavailableError("the server is not accepting requests (starting up or shutting down)")
+        if not self.engine_alive:
+            raise ServiceUnavailableError("the engine has failed; this server needs a restart")
         try:
             req = self.validate(req)
         except InvalidRequestError:
@@ -437,7 +421,7 @@ class TTSService:
         session_id = f"{req.request_id}-{k}"
         sampling = self._sampling_for(req, chunks[k])
         if sampling.seed is not None and k:
-            sampling = replace(sampling, seed=sampling.seed + k)
+            sampling = replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1))  # seeds wrap in 0..2^64-1
         session = SessionRequest(
             request_id=session_id,
             prompt_ids=self.prompt_ids(req.voice, chunks[k]),
@@ -587,6 +571,8 @@ class TTSService:
             "total_batches": s.total_batches,
             "engine": {
                 "backend": self.model_info.backend,
+                "alive": self._core.engine_alive,
+                "failure": self._core.engine_failure,
                 "device": mem.device,
                 "steps": self._core.steps,
                 "step_errors": self._core.step_errors,

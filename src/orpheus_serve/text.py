@@ -1,4 +1,31 @@
-"""Text normalisation and splitting of long text into sentence chunks.
+"""Text hygiene for the model's input, and splitting of long text into sentence chunks.
+
+`normalize_text` turns whatever a client sends into the text the model is
+prompted with. In order:
+
+1. Typography to plain ASCII (curly quotes, dashes, ellipses, odd spaces),
+   then Unicode NFKC (compatibility forms: full-width letters, ligatures,
+   superscripts, `™` -> `TM`), then the ASCII mapping once more for what
+   NFKC produced.
+2. Characters with nothing to say are removed: control characters become a
+   space; invisible format characters (soft hyphens, zero-width joiners, BOM)
+   and surrogates are dropped; emoji and other pictographic symbols (Unicode
+   category So: emoji, dingbats, `©`, `°`, ...), private-use and unassigned
+   code points become a space, and the modifiers that only decorate an emoji
+   (variation selectors, skin tones, enclosing keycaps) are dropped. Emoji
+   are dropped rather than read out because the model has never been trained
+   on their names, and each one costs several prompt tokens.
+3. Markup: the emotion tags the released model honours (`<laugh> <chuckle>
+   <sigh> <cough> <sniffle> <groan> <yawn> <gasp>`, any case) are kept, in
+   lower case; any other tag (`<b>`, `</b>`, `<break time="1s"/>`, `<foo>`)
+   is removed, its content kept. Text such as `x < y` or `a <b c> d` (no
+   name=value attributes) is not markup and stays.
+4. Whitespace runs (newlines included) collapse to one space; no space
+   before , ; : . ! ?
+
+The result is idempotent: normalising it again changes nothing.
+`has_speech` says whether normalised text has anything to say (a letter or a
+digit outside the tags); text that is only tags, punctuation or emoji has not.
 
 Orpheus is prompted with one chunk at a time; a chunk should be a few whole
 sentences so its prosody is natural, and short enough that its first audio
@@ -14,6 +41,8 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Callable
+
+from .protocol import EMOTION_TAGS
 
 _TRANSLATE = str.maketrans(
     {
@@ -47,11 +76,21 @@ _TRANSLATE = str.maketrans(
         "\ufeff": "",  # byte-order mark
     }
 )
+# Decorations of an emoji or of a glyph, dropped with it: variation selectors, emoji skin tones.
+_DROPPED_MODIFIERS = frozenset(
+    [*map(chr, range(0xFE00, 0xFE10)), *map(chr, range(0xE0100, 0xE01F0)), *map(chr, range(0x1F3FB, 0x1F400))]
+)
 _SPACE_RUN = re.compile(r"\s+")
 _SPACE_BEFORE_PUNCT = re.compile(r" +([,;:.!?])")
 
-# Emotion tags and any other <word> markup are atomic.
+# Emotion tags are atomic when text is cut (only known ones survive normalisation).
 _TAG = re.compile(r"<[A-Za-z_][A-Za-z0-9_-]*>")
+# XML/HTML-like markup: <name>, </name>, <name/>, <name attr="v" ...>. Attributes must be name=value, so
+# prose such as "a <b c> d" is not taken for a tag.
+_MARKUP = re.compile(
+    r"</?([A-Za-z_][\w:.-]*)(?:\s+[\w:.-]+\s*=\s*(?:\"[^\"<>]*\"|'[^'<>]*'|[^\s\"'<>/=]+))*\s*/?>"
+)
+_KNOWN_TAGS = frozenset(EMOTION_TAGS)
 
 # A sentence ends with . ! ? (possibly repeated, possibly followed by closing quotes or brackets)
 # and then whitespace.
@@ -64,13 +103,36 @@ _ABBREVIATIONS = frozenset(
 
 
 def normalize_text(text: str) -> str:
-    """Unicode quotes, dashes, ellipses and odd spaces to plain ASCII forms;
-    control characters dropped; whitespace runs (newlines included) collapsed."""
-    text = unicodedata.normalize("NFC", text).translate(_TRANSLATE)
-    # Control characters separate words; invisible format characters (soft hyphens, joiners) are dropped.
-    text = "".join(" " if unicodedata.category(ch) == "Cc" else ch for ch in text if unicodedata.category(ch) != "Cf")
+    """The model's input for `text`: see the module docstring for every step."""
+    text = unicodedata.normalize("NFKC", text.translate(_TRANSLATE)).translate(_TRANSLATE)
+    # Characters first, markup second: removing an invisible character can never assemble a tag afterwards.
+    text = "".join(map(_clean_char, text))
+    text = _MARKUP.sub(_keep_known_tag, text)
     text = _SPACE_RUN.sub(" ", text).strip()
     return _SPACE_BEFORE_PUNCT.sub(r"\1", text)
+
+
+def _clean_char(ch: str) -> str:
+    if ch.isascii():
+        return " " if ch < " " or ch == "\x7f" else ch
+    if ch in _DROPPED_MODIFIERS:
+        return ""
+    category = unicodedata.category(ch)
+    if category in ("Cf", "Cs", "Me"):  # invisible format characters, lone surrogates, enclosing keycaps
+        return ""
+    if category in ("Cc", "So", "Co", "Cn"):  # controls separate words; emoji and symbols go; so does noise
+        return " "
+    return ch
+
+
+def _keep_known_tag(match: re.Match[str]) -> str:
+    tag = match.group().lower()
+    return tag if tag in _KNOWN_TAGS else " "
+
+
+def has_speech(text: str) -> bool:
+    """Whether normalised `text` has a letter or a digit outside its emotion tags."""
+    return any(unicodedata.category(ch)[0] in "LN" for ch in _TAG.sub(" ", text))
 
 
 def split_text(text: str, max_chars: int = 200) -> list[str]:

@@ -51,6 +51,7 @@ class SpeechService(Protocol):
     model_info: Any
     ready: bool
     accepting: bool
+    engine_alive: bool
 
     def saturation(self) -> str | None: ...
     def validate(self, req: SynthesisRequest) -> SynthesisRequest: ...
@@ -114,6 +115,13 @@ def voice_list() -> list[dict[str, Any]]:
             for v in VOICES]
 
 
+_UNAVAILABLE = {
+    "warming_up": "the server is warming up; retry shortly",
+    "shutting_down": "the server is shutting down; retry on another instance",
+    "engine_failed": "the synthesis engine has failed and is not serving; retry on another instance",
+}
+
+
 class Gateway:
     """Shared by all protocol handlers of one server."""
 
@@ -168,11 +176,14 @@ class Gateway:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         return self.service.validate(request), output
 
-    def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "saturated"]:
-        """What /ready and gRPC health say. `saturated`: serving, but the pipeline is behind or at
-        capacity with nowhere to queue (DESIGN §5a); it clears by itself."""
+    def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
+        """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
+        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (DESIGN §5a);
+        it clears by itself."""
         if self.shutting_down:
             return "shutting_down"
+        if not self.service.engine_alive:
+            return "engine_failed"
         if not (self.service.ready and self.service.accepting):
             return "warming_up"
         return "saturated" if self.service.saturation() is not None else "ready"
@@ -197,8 +208,8 @@ class Gateway:
             raise
         try:
             state = self.readiness()
-            if state in ("warming_up", "shutting_down"):  # a saturated server still queues or refuses by itself
-                raise ServiceUnavailableError(f"the server is {state.replace('_', ' ')}; retry shortly")
+            if state not in ("ready", "saturated"):  # a saturated server still queues or refuses by itself
+                raise ServiceUnavailableError(_UNAVAILABLE[state])
             if not await stream.start(disconnected):
                 await stream.close()
                 return None

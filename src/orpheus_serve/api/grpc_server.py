@@ -4,6 +4,11 @@ Handlers only convert: protobuf in -> `SynthesisRequest` + `OutputOptions`,
 encoded audio -> `AudioChunk` messages, `SynthesisMetrics` -> the final
 message, `SynthesisError` -> a status code (errors.py). A cancelled call
 cancels the handler task, which closes the stream and so the session.
+
+A request that does not decode (a string field that is not UTF-8, a corrupt
+wire format) is INVALID_ARGUMENT like any other bad input: the methods are
+registered with deserializers that hand the handler an `UndecodableRequest`
+instead of raising, which grpc would answer INTERNAL.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import unknown_fields
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..protocol import SAMPLE_RATE
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
+from ..validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
 from .gateway import Gateway, OutputOptions, voice_list
 from .proto import orpheus_pb2 as pb
@@ -41,6 +47,42 @@ FORMATS: dict[int, str] = {
 }
 
 
+class UndecodableRequest:
+    """Stands for a request message that could not be parsed (see the module docstring)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | UndecodableRequest]:
+    def deserialize(data: bytes) -> Message | UndecodableRequest:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return UndecodableRequest(str(exc))
+
+    return deserialize
+
+
+def add_synthesizer(servicer: pb_grpc.SynthesizerServicer, server: grpc.aio.Server) -> None:
+    """`pb_grpc.add_SynthesizerServicer_to_server`, with lenient request deserializers."""
+    handlers = {
+        "Synthesize": grpc.unary_stream_rpc_method_handler(
+            servicer.Synthesize, request_deserializer=_lenient(pb.SynthesizeRequest.FromString),
+            response_serializer=pb.SynthesizeResponse.SerializeToString),
+        "ListVoices": grpc.unary_unary_rpc_method_handler(
+            servicer.ListVoices, request_deserializer=_lenient(pb.ListVoicesRequest.FromString),
+            response_serializer=pb.ListVoicesResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _check_decoded(request: Message | UndecodableRequest) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequestError(f"the request message does not decode: {request.error}", param=None)
+
+
 def _reject_unknown_fields(message: Message, path: str) -> None:
     """A field this server does not know is an error, not silently dropped (a newer client asked for more)."""
     numbers = sorted({field.field_number for field in unknown_fields.UnknownFieldSet(message)})
@@ -51,6 +93,8 @@ def _reject_unknown_fields(message: Message, path: str) -> None:
 def request_from_proto(request: pb.SynthesizeRequest) -> tuple[SynthesisRequest, OutputOptions]:
     """Protobuf -> service types. Shape errors here; content errors in TTSService.validate."""
     _reject_unknown_fields(request, "SynthesizeRequest")
+    if request.request_id:
+        check_request_id(request.request_id)
     sampling: dict[str, Any] = {}
     if request.HasField("sampling"):
         _reject_unknown_fields(request.sampling, "sampling")
@@ -105,6 +149,7 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
                          ) -> AsyncIterator[pb.SynthesizeResponse]:
         received_at = time.perf_counter()
         try:
+            _check_decoded(request)
             synthesis_request, output = self.gateway.prepare(*request_from_proto(request))
             lease = self.gateway.acquire_connection()
         except SynthesisError as exc:
@@ -135,6 +180,10 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
 
     async def ListVoices(self, request: pb.ListVoicesRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListVoicesResponse:
+        try:
+            _check_decoded(request)
+        except InvalidRequestError as exc:
+            await _abort(context, exc)
         return pb.ListVoicesResponse(voices=[pb.Voice(**v) for v in voice_list()])
 
 
@@ -189,7 +238,7 @@ class GrpcGateway:
             interceptors=[ApiKeyInterceptor(gateway)],
             options=[("grpc.max_receive_message_length", max_message), ("grpc.so_reuseport", 0)],
         )
-        pb_grpc.add_SynthesizerServicer_to_server(SynthesizerService(gateway), self.server)
+        add_synthesizer(SynthesizerService(gateway), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

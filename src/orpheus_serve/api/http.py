@@ -3,9 +3,10 @@
 `create_app(service, config)` builds the FastAPI app; the WebSocket route
 (websocket.py) lives on the same app. Every failure answers in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`, including the ones FastAPI
-and Starlette would otherwise answer themselves (422 becomes 400, 404, 405),
-and the two checks made before any route runs: the API key (401) and the body
-size (413).
+and Starlette would otherwise answer themselves (422 becomes 400, a body that
+cannot be parsed — not UTF-8, JSON nested too deeply, an integer too long to
+convert — 400 saying which, 404, 405), and the two checks made before any
+route runs: the API key (401) and the body size (413).
 """
 
 from __future__ import annotations
@@ -20,17 +21,19 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from ..audio import CONTENT_TYPES
 from ..config import Config
 from ..metrics import PROMETHEUS_CONTENT_TYPE
-from ..synthesis import SynthesisError
+from ..synthesis import InvalidRequestError, SynthesisError
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
-from .schemas import SpeechRequestBody, first_validation_error
+from .schemas import ErrorBody, ReadinessBody, SpeechRequestBody, first_validation_error
 from .websocket import STREAM_PATH, add_stream_route
 
 log = logging.getLogger(__name__)
@@ -180,6 +183,39 @@ class SpeechResponse(StreamingResponse):
                 await self.stream.close(error)
 
 
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for error statuses, all with the OpenAI error body."""
+    return {status: {"model": ErrorBody} for status in statuses}
+
+
+_SPEECH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The audio, streamed as it is generated (or `speech.audio.delta` events with "
+                         "`stream_format: sse`).",
+          "content": {**{media: {"schema": {"type": "string", "format": "binary"}}
+                         for media in sorted(set(CONTENT_TYPES.values()))},
+                      # One server-sent event each: its data is one JSON event (OpenAI's names).
+                      "text/event-stream": {"schema": {
+                          "type": "object", "required": ["data"],
+                          "properties": {"data": {
+                              "type": "string", "contentMediaType": "application/json",
+                              "contentSchema": {"type": "object", "required": ["type"], "properties": {
+                                  "type": {"enum": ["speech.audio.delta", "speech.audio.done", "error"]}}}}}}}}},
+    **_errors(400, 401, 413, 500, 503, 504),
+}
+
+
+def body_parse_error(cause: BaseException | None) -> InvalidRequestError | None:
+    """Why FastAPI could not parse a JSON body (it answers a bare 400 for anything but a JSON syntax error)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return InvalidRequestError(f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at "
+                                   f"offset {cause.start}); send JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return InvalidRequestError("the request body nests JSON arrays or objects too deeply")
+    if isinstance(cause, ValueError):  # e.g. an integer of more digits than Python converts (4300)
+        return InvalidRequestError(f"the request body is not acceptable JSON: {cause}")
+    return None
+
+
 def _sse(event: dict[str, Any]) -> bytes:
     return b"data: " + _json_bytes(event) + b"\n\n"
 
@@ -228,6 +264,10 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and (parse_error := body_parse_error(exc.__cause__)) is not None:
+            if request.url.path == SPEECH_PATH:
+                gateway.record("rest", parse_error.code)
+            return error_response(parse_error)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
@@ -247,7 +287,7 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=ReadinessBody, responses={503: {"model": ReadinessBody}})
     async def ready() -> JSONResponse:
         state = gateway.readiness()
         if state == "ready":
@@ -273,11 +313,11 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     async def stats() -> dict[str, Any]:
         return gateway.stats()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    @app.post(SPEECH_PATH)
+    @app.post(SPEECH_PATH, response_class=StreamingResponse, responses=_SPEECH_RESPONSES)
     async def create_speech(body: SpeechRequestBody, request: Request) -> Response:
         received_at = request.scope.get(RECEIVED_AT_KEY, time.perf_counter())
         try:
@@ -297,7 +337,22 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
         return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)
 
     add_stream_route(app, gateway)
+    app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
     # Added last = outermost: the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, gateway=gateway)
     return app
+
+
+def _openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, less the 422 it adds to every route with input: this API answers 400."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operations in document["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        schemas = document.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = document
+    return app.openapi_schema

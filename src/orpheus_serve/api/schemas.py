@@ -2,38 +2,62 @@
 
 Strict: wrong JSON types are errors (no "1.5" -> 1.5 coercion, no NaN), and
 unknown fields are rejected the way OpenAI rejects them, so a typo never
-silently falls back to a default. Checks that depend on configuration (text
-length per profile, known voices, sampling bounds) belong to
-`TTSService.validate`; these models only check shape.
+silently falls back to a default. Checks of content (text hygiene and
+length, known voices, sampling bounds) belong to `TTSService.validate`
+(validation.py); these models only check shape. The sampling bounds are
+also written into the OpenAPI document, from the same source, so that it
+describes what the server accepts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat
 from ..protocol import SAMPLE_RATE
 from ..synthesis import InvalidRequestError, SynthesisRequest
+from ..validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, documented_ranges
 from .gateway import OutputOptions
+
+_RANGES = documented_ranges()
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 8.0 is the integer 8 (as JSON Schema's "integer" says). 8.5 stays a float and
+    is refused; strings are never numbers."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+
+
+def _sampling_field(name: str, description: str) -> Any:
+    """A sampling extra: None takes the configured default; the range is documented here and enforced by
+    validation.py."""
+    return Field(None, description=description, json_schema_extra=_RANGES[name].json_schema())
 
 
 class SpeechFields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"anyOf": [  # the text, in `input` or in `text`
+                                  {"required": ["input"], "properties": {"input": {"type": "string"}}},
+                                  {"required": ["text"], "properties": {"text": {"type": "string"}}}]})
 
     input: str | None = Field(None, description="Text to speak.")
     text: str | None = Field(None, description="Alias of `input`.")
     voice: str | None = Field(None, description="Orpheus voice or OpenAI alias; default tara.")
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, description="Playback speed, pitch preserved.")
-    # Orpheus sampling extras; None takes the configured default.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
+    temperature: float | None = _sampling_field("temperature", "0 is greedy.")
+    top_p: float | None = _sampling_field("top_p", "Nucleus sampling; 1 is off.")
+    top_k: JsonInt | None = _sampling_field("top_k", "0 is off.")
+    repetition_penalty: float | None = _sampling_field("repetition_penalty", "1 is off.")
+    seed: JsonInt | None = _sampling_field("seed", "Same seed, same audio; left out, a random one.")
+    max_tokens: JsonInt | None = _sampling_field(
+        "max_tokens", "Per text chunk (7 per 85 ms frame); more than the context holds ends there, "
+                      "with finish reason `length`.")
 
     def speech_text(self) -> str:
         if self.input is not None and self.text is not None and self.input != self.text:
@@ -76,11 +100,29 @@ class StreamRequestMessage(SpeechFields):
     """One request on WS /v1/audio/stream."""
 
     response_format: AudioFormat = "pcm"
-    sample_rate: int = Field(SAMPLE_RATE, ge=MIN_SAMPLE_RATE, le=MAX_SAMPLE_RATE)
-    request_id: str | None = Field(None, min_length=1, max_length=128)
+    sample_rate: JsonInt = Field(SAMPLE_RATE, ge=MIN_SAMPLE_RATE, le=MAX_SAMPLE_RATE)
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
+                                   description="Echoed in replies: 1 to 128 printable ASCII characters.")
 
     def output_options(self) -> OutputOptions:
         return OutputOptions(format=self.response_format, sample_rate=self.sample_rate, speed=self.speed)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error the HTTP API answers (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+class ReadinessBody(BaseModel):
+    status: Literal["ready", "warming_up", "shutting_down", "engine_failed"]
 
 
 def parse_error_param(loc: tuple[Any, ...] | list[Any], skip: tuple[str, ...] = ("body",)) -> str | None:

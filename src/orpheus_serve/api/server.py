@@ -32,6 +32,7 @@ from ..config import Config
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
 from .http import create_app
+from .websocket import WebSocketProtocol
 
 if TYPE_CHECKING:
     from ..service import TTSService
@@ -103,7 +104,7 @@ class OrpheusServer:
         sock = _bind(server_cfg.host, server_cfg.http_port, server_cfg.socket_send_buffer_bytes)
         self.http_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(
-            self.app, log_level=server_cfg.log_level, log_config=None, lifespan="off", ws="websockets-sansio",
+            self.app, log_level=server_cfg.log_level, log_config=None, lifespan="off", ws=WebSocketProtocol,
             ws_max_size=server_cfg.max_body_bytes, timeout_graceful_shutdown=_LISTENER_CLOSE_S,
             access_log=server_cfg.log_level == "debug")
         self._uvicorn = _UvicornServer(uv_config)

@@ -11,9 +11,15 @@ Server -> client:
     {"cancelled": true, "request_id"}        it was cancelled
     {"error": {...}, "request_id"}           OpenAI-shaped error; the socket stays usable
 
-Requests run one at a time in arrival order. A message that is not a JSON
-object (binary data, broken JSON) gets an error message, never a closed
-socket. Disconnecting cancels the running request and drops queued ones.
+Requests run one at a time in arrival order. A message that cannot be used
+(binary data, broken JSON, JSON nested too deeply, an integer of more digits
+than Python converts, a JSON value that is not an object, an invalid request)
+gets an error message, and the socket stays open for the next request; so
+does a request that fails for a reason of the server's own. The one exception
+is a text message that is not valid UTF-8: RFC 6455 requires closing the
+connection (1007), and `WebSocketProtocol` sends the error message just
+before it does. Disconnecting cancels the running request and drops queued
+ones.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
+from ..validation import is_request_id
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
 from .gateway import Gateway, SpeechStream
 from .schemas import StreamRequestMessage, first_validation_error
@@ -42,6 +51,36 @@ log = logging.getLogger(__name__)
 STREAM_PATH = "/v1/audio/stream"
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_POLICY_VIOLATION = 1008
+CLOSE_INVALID_PAYLOAD = 1007
+
+
+def _error_text(exc: SynthesisError, request_id: str | None = None) -> str:
+    return json.dumps({**error_body(exc), "request_id": request_id}, separators=(",", ":"))
+
+
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's websockets-sansio protocol (server.py passes it to uvicorn), with one change.
+
+    A text message that is not valid UTF-8 never reaches the app: the protocol must fail the
+    connection with 1007 (RFC 6455 §8.1), which uvicorn does without a word. Here the client
+    first gets this API's JSON error message, so it learns what was wrong; then the same close."""
+
+    def send_receive_event_to_app(self) -> None:
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            data = b"".join(self.frames)
+            try:
+                data.decode()
+            except UnicodeDecodeError as exc:
+                self.frames = []
+                if self.conn.state is not State.OPEN:  # the client's close came with it: nothing more to say
+                    return
+                error = InvalidRequestError(f"the text message is not valid UTF-8 (byte 0x{data[exc.start]:02x} at "
+                                            f"offset {exc.start}); the connection is closed, as RFC 6455 requires")
+                self.conn.send_text(_error_text(error).encode())
+                self.conn.send_close(CLOSE_INVALID_PAYLOAD, "text message is not valid UTF-8")
+                self.handle_parser_exception()  # writes both frames; tells the app the client is gone
+                return
+        super().send_receive_event_to_app()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +118,8 @@ class StreamConnection:
             await self.ws.send_bytes(data)
 
     async def _send_error(self, exc: SynthesisError, request_id: str | None = None) -> None:
-        await self._send_json({**error_body(exc), "request_id": request_id})
+        async with self._send_lock:
+            await self.ws.send_text(_error_text(exc, request_id))
 
     async def _read(self) -> None:
         while True:
@@ -170,13 +210,19 @@ class StreamConnection:
         except json.JSONDecodeError as exc:
             await self._send_error(InvalidRequestError(f"message is not valid JSON: {exc.msg}", param=None))
             return True
+        except RecursionError:  # "[" * 60000 fits in one message
+            await self._send_error(InvalidRequestError("message nests JSON arrays or objects too deeply", param=None))
+            return True
+        except ValueError as exc:  # an integer of more digits than Python converts (4300)
+            await self._send_error(InvalidRequestError(f"message is not acceptable JSON: {exc}", param=None))
+            return True
         if not isinstance(body, dict):
             await self._send_error(InvalidRequestError("a message must be a JSON object", param=None))
             return True
         if "cancel" in body:
             await self._cancel(body)
             return True
-        request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+        request_id = body["request_id"] if is_request_id(body.get("request_id")) else None  # echoed only if valid
         try:
             request = StreamRequestMessage.model_validate(body)
             request.speech_text()
@@ -215,7 +261,16 @@ class StreamConnection:
         await self._send_json({"cancelled": True, "request_id": request_id})
 
     async def _stream(self, job: _Job, synthesis_request: SynthesisRequest, request_id: str) -> None:
-        """Serve one request to the end; its errors become error messages."""
+        """Serve one request to the end; its errors, the server's own included, become error messages."""
+        try:
+            await self._serve_request(job, synthesis_request, request_id)
+        except (WebSocketDisconnect, OSError):
+            raise  # the client is gone: nobody to tell
+        except Exception:
+            log.exception("WebSocket request %s failed", request_id)
+            await self._send_error(SynthesisError("internal server error"), request_id)
+
+    async def _serve_request(self, job: _Job, synthesis_request: SynthesisRequest, request_id: str) -> None:
         try:
             prepared, output = self.gateway.prepare(synthesis_request, job.request.output_options())
         except SynthesisError as exc:

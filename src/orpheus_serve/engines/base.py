@@ -25,8 +25,12 @@ made by listing the slot in `release` of a later plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+# Seeds every engine takes: TensorRT-LLM's random_seed is a uint64, and torch and sim use the same range.
+SEED_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,34 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+def sampling_problem(params: SamplingParams, vocab_size: int) -> str | None:
+    """What an engine cannot take in `params`, or None.
+
+    Engines check this when a session starts, before they change anything for its slot, and
+    report a problem as that slot's failure (`StepOutput.failed`): a value the service would
+    have refused (a caller that bypasses it, a bug) fails its own session, never the step."""
+
+    def number(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    def integer(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not (number(params.temperature) and params.temperature >= 0):
+        return f"temperature {params.temperature!r} is not a number >= 0"
+    if not (number(params.top_p) and 0 < params.top_p <= 1):
+        return f"top_p {params.top_p!r} is outside (0, 1]"
+    if not (integer(params.top_k) and 0 <= params.top_k <= vocab_size):
+        return f"top_k {params.top_k!r} is outside 0..{vocab_size}"
+    if not (number(params.repetition_penalty) and params.repetition_penalty > 0):
+        return f"repetition_penalty {params.repetition_penalty!r} is not a number > 0"
+    if not (integer(params.max_tokens) and params.max_tokens >= 1):
+        return f"max_tokens {params.max_tokens!r} is not an integer >= 1"
+    if params.seed is not None and not (integer(params.seed) and 0 <= params.seed <= SEED_MAX):
+        return f"seed {params.seed!r} is outside 0..2**64-1"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

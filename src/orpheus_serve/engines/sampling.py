@@ -42,7 +42,8 @@ def mix32(x: Tensor) -> Tensor:
 
 def counter_uniform(seed: Tensor, step: Tensor, token_hash: Tensor) -> Tensor:
     """Uniform noise in (0, 1), a pure function of (seed, step, token).
-    seed, step [B] int64 (seed >= 0); token_hash [B, C] = mix32(token id) -> [B, C] fp32."""
+    seed, step [B] int64 (seed: the 64 bits of a seed in 0..2^64-1, two's complement); token_hash [B, C]
+    = mix32(token id) -> [B, C] fp32."""
     row = mix32((seed & MASK32) ^ mix32(((seed >> 32) & MASK32) ^ mix32(step & MASK32)))  # [B]
     x = mix32(row.unsqueeze(1) ^ token_hash)  # [B, C]: one hash round per candidate
     return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
@@ -104,7 +105,7 @@ class SamplingBatch:
     top_p: Tensor  # fp32 in (0, 1]
     top_k: Tensor  # int64; 0 means off
     repetition_penalty: Tensor  # fp32 >= 1
-    seed: Tensor  # int64 >= 0
+    seed: Tensor  # int64: the seed's 64 bits (seeds >= 2^63 read as negative)
     step: Tensor  # int64: tokens this session has generated so far (= its audio position)
 
     def select(self, rows: Tensor) -> SamplingBatch:
@@ -219,11 +220,12 @@ class SlotSamplingState:
         self.audio_hash = self.token_hash[audio].view(P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)
 
     def reset(self, slot: int, params: SamplingParams, seed: int) -> None:
+        """params as checked by `engines.base.sampling_problem`; seed in 0..2^64-1 (stored as its 64 bits)."""
         self.temperature[slot] = max(params.temperature, 0.0)
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
         self.repetition_penalty[slot] = params.repetition_penalty
-        self.seed[slot] = seed % (1 << 63)
+        self.seed[slot] = seed - (1 << 64) if seed >= 1 << 63 else seed
         self.presence[slot] = False
 
     def mark_seen(self, slots: Tensor, token_ids: Tensor) -> None:
@@ -241,10 +243,11 @@ class SlotSamplingState:
         )
 
     def sample_constrained(self, logits: Tensor, slots: Tensor, steps: Tensor,
-                           params: list[SamplingParams] | None = None) -> Tensor:
+                           params: list[SamplingParams] | None = None, *, record: bool = True) -> Tensor:
         """logits [B, 4097] from `constrained_logits` for rows at slots [B], steps [B] (= audio
         positions); `params`, the rows' parameters on the host, lets it skip no-op work.
-        Returns token ids [B]; records them as seen."""
+        Returns token ids [B]; records them as seen unless `record` is False (the caller then
+        calls `mark_seen` itself)."""
         token_ids, allowed = constrained_candidates(steps)  # [B, 4097]
         phase = steps % P.TOKENS_PER_FRAME
         seen = torch.cat([self.audio_presence[slots, phase], self.presence[slots, P.END_OF_SPEECH].unsqueeze(1)], 1)
@@ -253,12 +256,14 @@ class SlotSamplingState:
         tokens = sample_candidates(logits, token_ids, token_hash, allowed, seen,
                                    self.batch(slots, steps), any_random=any_random, any_filter=any_filter,
                                    fast_width=self.fast_width)
-        self.mark_seen(slots, tokens)
+        if record:
+            self.mark_seen(slots, tokens)
         return tokens
 
     def sample_full(self, logits: Tensor, slots: Tensor, steps: Tensor,
-                    params: list[SamplingParams] | None = None) -> Tensor:
-        """logits [B, vocab] for unconstrained rows. Returns token ids [B]; records them as seen."""
+                    params: list[SamplingParams] | None = None, *, record: bool = True) -> Tensor:
+        """logits [B, vocab] for unconstrained rows. Returns token ids [B]; records them as seen
+        unless `record` is False."""
         B, V = logits.shape
         token_ids = torch.arange(V, device=logits.device).expand(B, V)
         allowed = torch.ones_like(logits, dtype=torch.bool)
@@ -266,5 +271,6 @@ class SlotSamplingState:
         tokens = sample_candidates(logits, token_ids, self.token_hash.expand(B, V), allowed, self.presence[slots],
                                    self.batch(slots, steps), any_random=any_random, any_filter=any_filter,
                                    fast_width=self.fast_width)
-        self.mark_seen(slots, tokens)
+        if record:
+            self.mark_seen(slots, tokens)
         return tokens

@@ -4,7 +4,10 @@ It lets the scheduler, the service and the gateways run at GPU-scale
 concurrency on a CPU. It does what a slot-batched engine does with a plan
 (release, chunked prefill, one decode step over the chosen slots) and checks
 the plan the same way a real engine would: a chunk out of order, a decode of
-an empty slot or a context past `max_seq_len` fails that slot only.
+an empty slot, a context past `max_seq_len` or sampling parameters it cannot
+take (`engines.base.sampling_problem`) fail that slot only. What can raise
+(a slot number outside the engine, making a new session's generator) happens
+before anything changes, so a step that raises leaves every session as it was.
 
 Tokens: position p of a session's audio stream gets a code drawn for slot
 p % 7 (so every id is in range, code 0 included), from a generator seeded by
@@ -30,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config, SimConfig
-from ..protocol import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, code_to_token
-from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan
+from ..protocol import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
+from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 
 
 def h100_cost_model(*, realtime: bool = False, end_after_frames: int | None = None) -> SimConfig:
@@ -126,18 +129,20 @@ class SimEngine:
             raise EngineError("sim engine is closed")
         started = time.perf_counter()
         out = StepOutput()
-        for slot in plan.release:
+        for slot in (*plan.release, *(c.slot for c in plan.prefill), *plan.decode):
             self._check_slot(slot)
+        # Everything that can raise comes before anything changes (see the module docstring).
+        new_sessions = {c.slot: self._new_session(c) for c in plan.prefill if c.start == 0}
+        for slot in plan.release:
             self._slots.pop(slot, None)
 
         prefill_tokens = 0
         for chunk in plan.prefill:
-            prefill_tokens += self._prefill(chunk, out)
+            prefill_tokens += self._prefill(chunk, out, new_sessions.get(chunk.slot))
 
         batch = 0
         context = 0
         for slot in plan.decode:
-            self._check_slot(slot)
             state = self._slots.get(slot)
             if slot in out.failed:
                 continue
@@ -174,23 +179,36 @@ class SimEngine:
             self._clock_advance(out.elapsed_s)
         return out
 
-    def _prefill(self, chunk: PrefillChunk, out: StepOutput) -> int:
-        self._check_slot(chunk.slot)
+    def _new_session(self, chunk: PrefillChunk) -> _SlotState | str:
+        """The state of a session starting with `chunk`, or why its sampling parameters cannot be taken."""
+        sampling = chunk.sampling
+        problem = sampling_problem(sampling, VOCAB_SIZE)
+        if problem is not None:
+            return f"invalid sampling parameters: {problem}"
+        # Never more than the context holds (the scheduler ends the session there anyway).
+        max_tokens = min(sampling.max_tokens, self.max_seq_len)
+        cap_frames = max(1, max_tokens // TOKENS_PER_FRAME)
+        rng = np.random.default_rng(_seed_for(sampling, chunk.request_id))
+        if self.cost.end_after_frames is not None:
+            end_frame = self.cost.end_after_frames
+        else:
+            # Leave room for end_of_speech within max_tokens where the cap allows it.
+            high = max(1, (max_tokens - 1) // TOKENS_PER_FRAME)
+            end_frame = int(rng.integers(max(1, (cap_frames + 1) // 2), high + 1))
+        return _SlotState(chunk.request_id, sampling, len(chunk.prompt_ids), rng, end_frame)
+
+    def _prefill(self, chunk: PrefillChunk, out: StepOutput, new: _SlotState | str | None) -> int:
         n = len(chunk.prompt_ids)
         if not 0 <= chunk.start < chunk.end <= n:
             out.failed[chunk.slot] = f"bad prefill chunk [{chunk.start}, {chunk.end}) of a {n}-token prompt"
             return 0
         if chunk.start == 0:
-            sampling = chunk.sampling
-            cap_frames = max(1, sampling.max_tokens // TOKENS_PER_FRAME)
-            rng = np.random.default_rng(_seed_for(sampling, chunk.request_id))
-            if self.cost.end_after_frames is not None:
-                end_frame = self.cost.end_after_frames
-            else:
-                # Leave room for end_of_speech within max_tokens where the cap allows it.
-                high = max(1, (sampling.max_tokens - 1) // TOKENS_PER_FRAME)
-                end_frame = int(rng.integers(max(1, (cap_frames + 1) // 2), high + 1))
-            self._slots[chunk.slot] = _SlotState(chunk.request_id, sampling, n, rng, end_frame)
+            assert new is not None
+            if isinstance(new, str):
+                self._slots.pop(chunk.slot, None)
+                out.failed[chunk.slot] = new
+                return 0
+            self._slots[chunk.slot] = new
         state = self._slots.get(chunk.slot)
         if state is None or state.request_id != chunk.request_id or state.prefilled != chunk.start:
             out.failed[chunk.slot] = f"prefill chunk [{chunk.start}, {chunk.end}) out of order for {chunk.request_id!r}"

@@ -18,9 +18,18 @@ Start-up (nothing is allocated per request afterwards):
    token at its own position, then one sampling call per batch: one new token per slot.
 
 Per-slot problems (a sequence that would pass max_seq_len, a chunk out of order, an unknown
-slot) are checked on the host before any compute and reported in `StepOutput.failed`; the other
-slots of the step are unaffected. The engine never ends a session by itself: end_of_speech and
-max_tokens are the scheduler's call.
+slot, sampling parameters the engine cannot take: `engines.base.sampling_problem`) are checked
+on the host before any compute and reported in `StepOutput.failed`; the other slots of the step
+are unaffected. The engine never ends a session by itself: end_of_speech and max_tokens are the
+scheduler's call.
+
+A step that raises changes no session, so the engine core can run the plan's sessions again in
+smaller groups to find the one at fault: the host records of the plan's slots are restored from
+copies taken when the step began, and the device writes a later step reads (each slot's last
+token, the repetition marks of sampled tokens) are made only once every forward pass and
+sampling call of the step has succeeded. What a failed step did write (KV rows at or past a
+slot's position, the prompt's repetition marks, a new session's sampling row) is written again,
+identically, when the session runs again, and is never read before that.
 
 On CUDA all work runs on the engine's own stream, and decode steps replay CUDA graphs captured
 at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-two KV lengths
@@ -35,7 +44,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +52,15 @@ import torch
 from torch import Tensor
 
 from orpheus_serve import protocol as P
-from orpheus_serve.engines.base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.engines.base import (
+    EngineError,
+    MemoryReport,
+    PrefillChunk,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    sampling_problem,
+)
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
 from orpheus_serve.engines.memory import available_bytes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
@@ -61,18 +78,6 @@ class _Session:
     cached: int = 0  # tokens in the KV cache = position the next token is written at
     generated: int = 0  # tokens sampled so far = audio position of the next one
     ready: bool = False  # prompt complete: the last sampled token waits to be fed
-
-
-def _sampling_problem(params: SamplingParams) -> str | None:
-    if not params.temperature >= 0:
-        return f"temperature {params.temperature} < 0"
-    if not 0 < params.top_p <= 1:
-        return f"top_p {params.top_p} outside (0, 1]"
-    if params.top_k < 0:
-        return f"top_k {params.top_k} < 0"
-    if not params.repetition_penalty > 0:
-        return f"repetition_penalty {params.repetition_penalty} <= 0"
-    return None
 
 
 def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
@@ -212,15 +217,28 @@ class TorchEngine:
             raise EngineError("engine is closed")
         started = time.perf_counter()
         out = StepOutput()
-        with torch.inference_mode(), self._on_stream():
-            for slot in plan.release:
-                if self._valid_slot(slot, out):
-                    self._sessions[slot] = None
-            for chunk in plan.prefill:
-                self._prefill(chunk, out)
-            rows = self._decodable(plan.decode, out)
-            for first in range(0, len(rows), self.max_batch_size):
-                self._decode(rows[first : first + self.max_batch_size], out)
+        # What to restore if the step raises (see the module docstring): copies of the plan's sessions.
+        touched = {*plan.release, *(c.slot for c in plan.prefill), *plan.decode}
+        saved = {slot: replace(s) if (s := self._sessions[slot]) is not None else None
+                 for slot in touched if 0 <= slot < self.num_slots}
+        sampled: list[tuple[Tensor, Tensor]] = []  # (slots, new tokens), written back once all succeeded
+        try:
+            with torch.inference_mode(), self._on_stream():
+                for slot in plan.release:
+                    if self._valid_slot(slot, out):
+                        self._sessions[slot] = None
+                for chunk in plan.prefill:
+                    self._prefill(chunk, out, sampled)
+                rows = self._decodable(plan.decode, out)
+                for first in range(0, len(rows), self.max_batch_size):
+                    self._decode(rows[first : first + self.max_batch_size], out, sampled)
+                for slots, tokens in sampled:
+                    self._last_token[slots] = tokens
+                    self._sampling.mark_seen(slots, tokens)
+        except BaseException:
+            for slot, session in saved.items():
+                self._sessions[slot] = session
+            raise
         out.elapsed_s = time.perf_counter() - started
         return out
 
@@ -267,7 +285,7 @@ class TorchEngine:
         out.failed[slot] = reason
         self._sessions[slot] = None
 
-    def _prefill(self, chunk: PrefillChunk, out: StepOutput) -> None:
+    def _prefill(self, chunk: PrefillChunk, out: StepOutput, sampled: list[tuple[Tensor, Tensor]]) -> None:
         slot = chunk.slot
         if not self._valid_slot(slot, out):
             return
@@ -282,13 +300,13 @@ class TorchEngine:
             self._fail(slot, f"prompt ids must be in 0..{self.config.vocab_size - 1}", out)
             return
         if chunk.start == 0:
-            problem = _sampling_problem(chunk.sampling)
+            problem = sampling_problem(chunk.sampling, self.config.vocab_size)
             if problem:
                 self._fail(slot, f"invalid sampling parameters: {problem}", out)
                 return
             session = _Session(request_id=chunk.request_id, sampling=chunk.sampling)
             self._sessions[slot] = session
-            seed = chunk.sampling.seed if chunk.sampling.seed is not None else self._seed_source.getrandbits(63)
+            seed = chunk.sampling.seed if chunk.sampling.seed is not None else self._seed_source.getrandbits(64)
             self._sampling.reset(slot, chunk.sampling, seed)
         else:
             current = self._sessions[slot]
@@ -307,19 +325,20 @@ class TorchEngine:
             return
         step = torch.zeros(1, dtype=torch.int64, device=self.device)
         first = self._sample(hidden[-1:], slot_index, step, [0], [chunk.sampling])
-        self._last_token[slot] = first[0]
+        sampled.append((slot_index, first))
         session.generated, session.ready = 1, True
         out.tokens.setdefault(slot, []).append(int(first[0]))
 
     def _sample(self, hidden: Tensor, slots: Tensor, steps: Tensor, host_steps: list[int],
                 params: list[SamplingParams]) -> Tensor:
-        """hidden [B, dim] of rows that are all constrained or all not -> new token ids [B]."""
+        """hidden [B, dim] of rows that are all constrained or all not -> new token ids [B] (not yet
+        recorded as seen: `step` does that once the whole step has succeeded)."""
         if params[0].constrained:
             # A CPU is compute-bound here: project each row onto its own position's 4096 rows only.
             by_position = host_steps if self.device.type == "cpu" else None
             logits = constrained_logits(hidden, self.model.output.weight, steps, by_position)  # [B, 4097]
-            return self._sampling.sample_constrained(logits, slots, steps, params)
-        return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params)
+            return self._sampling.sample_constrained(logits, slots, steps, params, record=False)
+        return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params, record=False)
 
     def _decodable(self, slots: Sequence[int], out: StepOutput) -> list[int]:
         rows: list[int] = []
@@ -339,7 +358,7 @@ class TorchEngine:
             listed.add(slot)
         return [s for s in rows if self._sessions[s] is not None]
 
-    def _decode(self, rows: list[int], out: StepOutput) -> None:
+    def _decode(self, rows: list[int], out: StepOutput, sampled: list[tuple[Tensor, Tensor]]) -> None:
         if not rows:
             return
         sessions = [self._sessions[s] for s in rows]
@@ -366,7 +385,7 @@ class TorchEngine:
                 idx = torch.tensor(kind, device=self.device)
                 new[idx] = self._sample(hidden[idx], slots[idx], steps[idx], [host_steps[i] for i in kind],
                                         [params[i] for i in kind])
-        self._last_token[slots] = new
+        sampled.append((slots, new))
         for slot, session, token in zip(rows, sessions, new.tolist(), strict=True):
             assert session is not None
             session.cached += 1

@@ -20,9 +20,12 @@ to the engine core thread through a `threading.Condition`. `step()` waits on
 that condition, bounded by `step_wait_s`, until at least one diff, finish or
 error is there (no sleep-polling), and never waits when nothing is live.
 
-Failures are per request: an exception from `generate_async` (e.g. a prompt too
-long) or from the stream (a per-request `RequestError`) becomes
-`StepOutput.failed[slot]`; the other requests go on. A request the runtime ends
+Failures are per request: sampling parameters the engine cannot take
+(`engines.base.sampling_problem`, checked before anything is submitted), an
+exception from `generate_async` (e.g. a prompt too long) or from the stream (a
+per-request `RequestError`) becomes `StepOutput.failed[slot]`; the other
+requests go on. Slot numbers are checked before anything changes, so a step
+that raises leaves every request as it was. A request the runtime ends
 itself (end_id, max_tokens, timeout) becomes `StepOutput.finished[slot]` with
 the LLM API's reason ('stop', 'length', 'timeout', 'cancelled'). When it stops
 on end_id and the runtime left end_of_speech out of the output, it is appended,
@@ -80,8 +83,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, END_OF_SPEECH, PAD, START_OF_SPEECH, TOKENS_PER_FRAME
-from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan
+from ..protocol import (
+    AUDIO_TOKEN_BASE,
+    CODEBOOK_SIZE,
+    END_OF_SPEECH,
+    PAD,
+    START_OF_SPEECH,
+    TOKENS_PER_FRAME,
+    VOCAB_SIZE,
+)
+from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 from .trtllm_env import MANIFEST_NAME, check_tensorrt_available, engine_mismatch, read_manifest
 from .vram_budget import ORPHEUS_3B, LlamaDims, kv_bytes_per_slot
 
@@ -330,14 +341,14 @@ class TrtLlmEngine:
         started = time.perf_counter()
         if self._closed:
             raise EngineError("the TensorRT-LLM engine is closed")
+        for slot in (*plan.release, *(c.slot for c in plan.prefill)):
+            self._check_slot(slot)  # raises before anything changes
         for slot in plan.release:
-            self._check_slot(slot)
             self._release(slot)
         # Only a session's first chunk means anything to a self-batching runtime; highest priority
         # first, so that the runtime's first-come queue admits new sessions (TTFB) first.
         starts = sorted((c for c in plan.prefill if c.start == 0), key=lambda c: -c.priority)
         for chunk in starts:
-            self._check_slot(chunk.slot)
             self._submit(chunk)
         out = self._collect()
         out.elapsed_s = time.perf_counter() - started
@@ -388,6 +399,10 @@ class TrtLlmEngine:
         live = _LiveRequest(slot=chunk.slot, request_id=chunk.request_id, prompt_len=len(chunk.prompt_ids))
         with self._cond:
             self._live[chunk.slot] = live
+        problem = sampling_problem(chunk.sampling, VOCAB_SIZE)
+        if problem is not None:
+            self._fail(live, f"invalid sampling parameters: {problem}")
+            return
         room = self.max_seq_len - live.prompt_len
         if room < 1:
             self._fail(live, f"prompt of {live.prompt_len} tokens leaves no room under max_seq_len {self.max_seq_len}")

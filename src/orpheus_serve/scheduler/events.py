@@ -48,7 +48,7 @@ class SessionFinished:
 
 @dataclass(frozen=True, slots=True)
 class SessionFailed:
-    """Engine failure, protocol error or context overflow; a SessionFinished(reason="error") follows."""
+    """Engine failure or protocol error; a SessionFinished(reason="error") follows."""
 
     request_id: str
     error: str

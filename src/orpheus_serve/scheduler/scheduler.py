@@ -16,8 +16,9 @@ same plan), picks at most `max_batch_size` decoding sessions by the policy
 
 `update()` turns the engine's tokens into frames with one `protocol.
 FrameParser` per session, decides when frames go to the codec (`flush.py`)
-and ends sessions: end_of_speech -> "stop", `sampling.max_tokens` ->
-"length", a protocol error, an engine failure or a full context -> failed.
+and ends sessions: end_of_speech -> "stop", `sampling.max_tokens` or the
+room left in the context (max_seq_len - prompt, in whole frames, whichever
+is smaller) -> "length", a protocol error or an engine failure -> failed.
 It accepts tokens for slots that were not in `plan.decode` and several per
 slot, as engines with in-flight batching produce them.
 
@@ -185,7 +186,8 @@ class Scheduler:
                     f"max_seq_len={self._max_seq_len}",
                     param="input",
                 )
-            token_limit = min(token_limit, room)
+            # The context ends the session like max_tokens does ("length"), after its last whole frame.
+            token_limit = min(token_limit, room - room % TOKENS_PER_FRAME)
         with self._lock:
             if req.request_id in self._waiting or req.request_id in self._admitted:
                 raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
@@ -510,15 +512,7 @@ class Scheduler:
         if frames:
             session.buffer.add(np.stack(frames))
             self._flow.frames_added(session)
-        if outcome == "length" and session.token_limit < session.request.sampling.max_tokens:
-            self._fail(
-                session,
-                f"context full: prompt {session.prompt_len} + {session.generated} generated tokens "
-                f"reached max_seq_len={self._max_seq_len}",
-                now,
-                events,
-            )
-        elif outcome is not None:
+        if outcome is not None:
             self._complete(session, outcome, now, events)
         else:
             if session.first_frames is None and session.buffer.pending_frames >= self._flush_policy.first_frames:

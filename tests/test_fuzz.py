@@ -1,0 +1,169 @@
+"""Generated input against a real server (sim engine and codec, no pacing): the HTTP API against its own
+OpenAPI document with schemathesis (every check), and the WebSocket with random JSON from hypothesis.
+
+No input may produce a 5xx, a response the document does not describe, or an abnormal close.
+Example counts are CI-sized (the whole module runs in well under a minute on two cores).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection
+from websockets.sync.client import connect as ws_connect
+
+from orpheus_serve.api import client as api_client
+from orpheus_serve.api.server import ServerThread
+from orpheus_serve.synthesis import InvalidRequestError, SynthesisRequest
+from orpheus_serve.validation import documented_ranges
+from tests.gateway_support import sim_config, start_server, stats
+
+API_EXAMPLES = 40  # per operation; /v1/audio/speech is the one with a body
+WS_EXAMPLES = 120
+RANGES = documented_ranges()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_orpheus: Path):
+    # No pacing and short utterances: a fuzzed request costs milliseconds whatever its max_tokens.
+    srv = start_server(sim_config(tiny_orpheus, **{"engine.sim.realtime": False, "engine.sim.end_after_frames": 2,
+                                                   "codec.sim.realtime": False}))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(server: ServerThread) -> Any:
+    return schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+
+
+def speakable_in(server: ServerThread) -> Callable[[Any], bool]:
+    """What a JSON Schema cannot say, the service decides: whether a text has something to speak within the
+    profile's limits once normalised, and whether a voice name is known (README, "Input validation and text
+    hygiene"). Valid cases are drawn among the ones that pass this; everything else they carry is the schema's."""
+    service = server.server.service
+
+    def speakable(case: Any) -> bool:
+        body = case.body if isinstance(case.body, dict) else None
+        if body is None:
+            return True
+        for name in ("top_k", "seed", "max_tokens"):
+            # The generator and the checker work with doubles past 2**53: they take 2**64 + 383 (or the float
+            # 1.8446744073709552e19) for a seed under `maximum: 2**64 - 1`. Valid means valid in exact arithmetic.
+            value = body.get(name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, int) and value not in RANGES[name]:
+                return False
+        text = body.get("input") if body.get("input") is not None else body.get("text")
+        if body.get("input") is not None and body.get("text") is not None and body["input"] != body["text"]:
+            return False
+        try:
+            service.validate(SynthesisRequest(text=text, voice=body.get("voice")))
+        except InvalidRequestError:
+            return False
+        return True
+
+    return speakable
+
+
+def test_http_api_conforms_to_its_openapi_document(api_schema: Any, server: ServerThread) -> None:
+    """Every operation, with data that fits the document and (where it has input) data that does not,
+    under every check schemathesis has (5xx, status codes, content types, headers and bodies as
+    documented, bad input refused, good input accepted, ...)."""
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
+        "POST /v1/audio/speech", "GET /v1/audio/voices", "GET /v1/models", "GET /v1/stats", "GET /health",
+        "GET /ready", "GET /metrics"}
+    for operation in operations:
+        strategies = [operation.as_strategy(GenerationMode.POSITIVE).filter(speakable_in(server))]
+        if operation.body or operation.query or operation.path_parameters:
+            strategies.append(operation.as_strategy(GenerationMode.NEGATIVE))
+        for strategy in strategies:
+            @given(case=strategy)
+            @settings(max_examples=API_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+                      database=None)
+            def conforms(case: Any) -> None:
+                case.call_and_validate()
+
+            conforms()
+
+
+def test_no_fuzzed_request_was_a_server_error(server: ServerThread) -> None:
+    requests = stats(server)["gateway"]["requests"]["rest"]
+    assert requests.get("ok", 0) >= 10 and requests.get("invalid_request", 0) >= 10, requests
+    assert not {"internal_error", "engine_error"} & set(requests), requests
+
+
+# ------------------------------------------------------------------ WebSocket
+
+_FIELDS = ("text", "input", "voice", "response_format", "sample_rate", "speed", "temperature", "top_p", "top_k",
+           "repetition_penalty", "seed", "max_tokens", "request_id", "cancel")
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+# Valid requests, valid requests with one field replaced by anything, requests made of known fields with any
+# values, arbitrary JSON, arbitrary text and binary frames.
+valid_requests = st.fixed_dictionaries(
+    {"text": st.sampled_from(["Hello there.", "Hi <laugh> you!", "\U0001F600 Emoji go, words stay.", "42"])},
+    optional={"voice": st.sampled_from(["tara", "alloy", " LEO "]), "response_format": st.sampled_from(["pcm", "wav"]),
+              "sample_rate": st.sampled_from([8000, 16000, 24000]), "speed": st.floats(0.25, 4.0),
+              "temperature": st.floats(0, 5), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 156940),
+              "seed": st.integers(0, 2**64 - 1), "max_tokens": st.integers(7, 10**30),
+              "request_id": st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=128)})
+perturbed = st.tuples(valid_requests, st.sampled_from(_FIELDS), json_values).map(lambda t: {**t[0], t[1]: t[2]})
+near_requests = st.dictionaries(st.sampled_from(_FIELDS), json_values, max_size=6)
+messages = ((valid_requests | perturbed | near_requests | json_values).map(json.dumps) | st.text(max_size=60)
+            | st.binary(max_size=60))
+replies: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module")
+def ws(server: ServerThread):
+    with ws_connect(api_client.stream_url(server.base_url), max_size=None) as connection:
+        yield connection
+
+
+def _reply(ws: ClientConnection) -> dict[str, Any]:
+    """The JSON message that ends this exchange (audio before it is skipped)."""
+    while isinstance(message := ws.recv(timeout=30), bytes):
+        pass
+    return json.loads(message)
+
+
+@given(message=messages)
+@settings(max_examples=WS_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_websocket_answers_any_message_and_stays_open(ws: ClientConnection, message: str | bytes) -> None:
+    try:
+        ws.send(message)
+        reply = _reply(ws)
+    except ConnectionClosed as exc:  # an abnormal close is the failure this test looks for
+        pytest.fail(f"the socket closed on {message!r}: {exc}")
+    if "error" in reply:
+        assert reply["error"]["type"] == "invalid_request_error", reply  # never a server error
+        assert reply["error"]["code"] == "invalid_request" and reply["error"]["message"], reply
+        replies["error"] += 1
+    elif reply.get("done") is True:
+        assert reply["metrics"]["finish_reason"] in ("stop", "length"), reply
+        replies["done"] += 1
+    else:
+        assert "cancelled" in reply, reply
+
+
+def test_websocket_still_serves_after_the_fuzz(ws: ClientConnection) -> None:
+    assert replies["done"] >= 10 and replies["error"] >= 10, replies  # the fuzz exercised both paths
+    ws.send(json.dumps({"text": "Still here.", "request_id": "after-fuzz"}))
+    reply = _reply(ws)
+    assert reply["done"] is True and reply["request_id"] == "after-fuzz", reply
