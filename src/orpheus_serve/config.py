@@ -140,6 +140,7 @@ class ServerConfig(_Strict):
     shutdown_grace_s: float = Field(10.0, ge=0)
     switch_interval_ms: float = Field(1.0, gt=0, le=100)  # interpreter-lock hand-off between server threads
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    playground: bool = True  # the web page at / and /playground (static files, no internet needed)
 
 
 class ProfileConfig(_Strict):
