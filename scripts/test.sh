@@ -3,5 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The playground's browser tests drive a real headless Chromium: Debian's package, never a download.
+# Installed here rather than in setup.sh, which serving shares and which needs no browser.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && [ -z "${ORPHEUS_CHROMIUM:-}" ] && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo -n"; fi
+  echo "installing chromium (apt-get) for the browser tests"
+  if ! { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+      >/tmp/orpheus-chromium-install.log 2>&1; then
+    echo "could not install chromium (see /tmp/orpheus-chromium-install.log); the browser tests will fail" >&2
+  fi
+fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest "$@"

@@ -157,6 +157,7 @@ class ServerConfig(_Strict):
     ready_max_backlog_s: float = Field(2.0, gt=0)  # /ready says saturated when the oldest undecoded frame is older
     switch_interval_ms: float = Field(1.0, gt=0, le=100)  # interpreter-lock hand-off between server threads
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    playground: bool = True  # the web page at / and /playground (static files, no internet needed)
 
 
 class ProfileConfig(_Strict):

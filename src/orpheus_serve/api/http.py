@@ -6,7 +6,8 @@
 and Starlette would otherwise answer themselves (422 becomes 400, a body that
 cannot be parsed — not UTF-8, JSON nested too deeply, an integer too long to
 convert — 400 saying which, 404, 405), and the two checks made before any
-route runs: the API key (401) and the body size (413).
+route runs: the API key (401) and the body size (413). With `server.playground`
+on, it also serves the web playground (static/) at `/` and `/playground`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,8 +43,11 @@ log = logging.getLogger(__name__)
 
 SPEECH_PATH = "/v1/audio/speech"
 RECEIVED_AT_KEY = "orpheus.received_at"
-# Paths behind the API key; health, readiness and metrics stay open for probes and scrapers.
+# Paths behind the API key; health, readiness and metrics stay open for probes and scrapers, the playground's
+# static files for browsers (the page then sends the key with its own API calls).
 PROTECTED_PREFIX = "/v1/"
+WS_KEY_SUBPROTOCOL = "orpheus.bearer."
+PLAYGROUND_DIR = Path(__file__).resolve().parent / "static"
 
 
 def _json_bytes(body: Any) -> bytes:
@@ -65,6 +71,8 @@ class ApiKeyMiddleware:
 
     Runs before routing and body parsing, so a request with a wrong key is
     answered 401 without its body being read and never reaches the service.
+    Browsers cannot set headers on a WebSocket, so the key may also come as
+    the subprotocol `orpheus.bearer.<base64url key>` (see `_subprotocol_key`).
     """
 
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
@@ -73,12 +81,18 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[RECEIVED_AT_KEY] = time.perf_counter()
-        if scope["type"] not in ("http", "websocket") or not self.gateway.auth_required \
-                or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PROTECTED_PREFIX):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization", b"").decode("latin-1")
+        if scope["type"] == "websocket":
+            scope, send, offered = _subprotocol_key(scope, send)
+            if offered is not None and not authorization:
+                authorization = f"Bearer {offered}"
+        if not self.gateway.auth_required:
+            await self.app(scope, receive, send)
+            return
         try:
             self.gateway.check_api_key(authorization)
         except UnauthorizedError as exc:
@@ -90,6 +104,36 @@ class ApiKeyMiddleware:
                 await _deny_websocket(scope, receive, send, 401, error_body(exc))
             return
         await self.app(scope, receive, send)
+
+
+def _subprotocol_key(scope: Scope, send: Send) -> tuple[Scope, Send, str | None]:
+    """Take an API key offered as the WebSocket subprotocol `orpheus.bearer.<base64url key>`.
+
+    The key is removed from the scope, so it travels no further inward. A
+    browser fails the handshake unless the server selects one of the
+    subprotocols it offered, so the accept selects the first other one offered
+    (the page offers `orpheus.v1`), or the key's own entry when it was alone.
+    Base64url (unpadded) because a subprotocol must be an HTTP token and keys
+    may hold `/`, `+` or `=`; one that does not decode is a wrong key.
+    """
+    offered: list[str] = list(scope.get("subprotocols") or ())
+    entry = next((p for p in offered if p.startswith(WS_KEY_SUBPROTOCOL)), None)
+    if entry is None:
+        return scope, send, None
+    encoded = entry.removeprefix(WS_KEY_SUBPROTOCOL)
+    try:
+        key = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except ValueError:  # binascii.Error and UnicodeDecodeError are both ValueErrors
+        key = encoded
+    others = [p for p in offered if not p.startswith(WS_KEY_SUBPROTOCOL)]
+    selected = others[0] if others else entry
+
+    async def send_selecting(message: Message) -> None:
+        if message["type"] == "websocket.accept" and not message.get("subprotocol"):
+            message = {**message, "subprotocol": selected}
+        await send(message)
+
+    return {**scope, "subprotocols": others}, send_selecting, key
 
 
 async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: int, body: Any) -> None:
@@ -338,6 +382,15 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
 
     add_stream_route(app, gateway)
     app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
+    if config.server.playground:
+        # The page refers to its files and to the API by relative URLs, so the same file works at / and at
+        # /playground, and under a proxy's path prefix.
+        @app.get("/", include_in_schema=False)
+        @app.get("/playground", include_in_schema=False)
+        async def playground() -> FileResponse:
+            return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+        app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
     # Added last = outermost: the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, gateway=gateway)
