@@ -267,12 +267,17 @@ def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_mode
         decoded = after["codec"]["frames_decoded"] - before["codec"]["frames_decoded"]
         admitted = after["scheduler"]["total_sessions"] - before["scheduler"]["total_sessions"]
         received_frames = (storm_bytes + len(audio)) / FRAME_BYTES
-        # The stateful decoder holds back 4757 samples: 3 frames go in before the first audio comes out.
+        # The stateful decoder holds back 4757 samples: 3 frames go in before the first audio comes out. And
+        # while a departure travels to the scheduler (tens of ms on a loaded loop) a stream that has just
+        # started is being produced at full speed: one regular push (2 frames) may be decoded for nobody.
         lookahead_frames = 3
-        allowance = 1.1 * received_frames + lookahead_frames * admitted
+        in_flight_frames = 2
+        strict = 1.1 * received_frames + lookahead_frames * admitted
+        allowance = strict + in_flight_frames * admitted
         print(f"storm outcomes {kinds}; admitted {admitted}; decoded {decoded} frames; received "
-              f"{received_frames:.1f} frames; allowance {allowance:.1f}; next request first audio "
-              f"{first_audio_s:.2f} s, total {total_s:.2f} s; codec max pass {after['codec']['max_pass_frames']}")
+              f"{received_frames:.1f} frames; allowance {allowance:.1f} (without the in-flight push {strict:.1f}); "
+              f"next request first audio {first_audio_s:.2f} s, total {total_s:.2f} s; codec max pass "
+              f"{after['codec']['max_pass_frames']}")
         assert decoded <= allowance, (decoded, allowance, kinds)
         assert after["codec"]["max_pass_frames"] <= after["codec"]["max_frames_per_pass"]
 
