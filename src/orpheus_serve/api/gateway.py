@@ -343,7 +343,10 @@ class SpeechStream:
                 f"the client took no audio for {timeout:g} s (server.stalled_client_timeout_s)"))
             self.stalled.set()
             return False
-        return True
+        # close() may have cancelled the pump in the very instant the put completed: before Python 3.12,
+        # wait_for then returns the put's result and the cancellation is lost (gh-86296). Without this
+        # check the pump would go on into a queue nobody reads, keeping the session for the stall timeout.
+        return not self._closed
 
     async def start(self, disconnected: Callable[[], Awaitable[object]] | None = None) -> bool:
         """Wait for the first item; raise its error if it is one. False if the client left first."""
