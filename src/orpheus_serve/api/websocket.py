@@ -108,6 +108,7 @@ class StreamConnection:
         self._current: asyncio.Task[None] | None = None
         self._current_id: str | None = None
         self._accepted = 0
+        self._stalled = False  # a request found the client reading nothing: the connection is reset
 
     async def _send_json(self, body: dict[str, Any]) -> None:
         async with self._send_lock:
@@ -154,6 +155,8 @@ class StreamConnection:
             if pending:
                 await asyncio.wait(pending)
             lease.release()
+            if self._stalled:
+                self.gateway.reset_connection(self.ws.scope.get("client"))
 
     async def _serve(self) -> None:
         next_message = asyncio.create_task(self._inbox.get())
@@ -297,6 +300,7 @@ class StreamConnection:
                 raise
             # Cancelled by the watcher: the client reads nothing (its socket is full), so no message can
             # reach it; the connection is dropped.
+            self._stalled = True
             raise ConnectionAbortedError(f"request {request_id}: the client stopped reading") from None
         finally:
             watcher.cancel()
