@@ -154,6 +154,9 @@ class StreamConnection:
             pending = {t for t in (self._current, reader) if t is not None}
             if pending:
                 await asyncio.wait(pending)
+            for _ in self._queued:  # accepted but never started: cancelled by the disconnect, counted as such
+                self.gateway.record("ws", "cancelled")
+            self._queued.clear()
             lease.release()
             if self._stalled:
                 self.gateway.reset_connection(self.ws.scope.get("client"))
