@@ -42,6 +42,7 @@ STALL_TIMEOUT_S = 3.0
 # with server.socket_send_buffer_bytes at 64 KiB) and the bounded server-side buffer (max_server_buffer_s of
 # audio) fill first, at the sim's generation speed (about 5 s here).
 FILL_SLACK_S = 12.0
+WATCH_S = STALL_TIMEOUT_S + FILL_SLACK_S + 3.0  # how long slow and stopped clients run and watch
 TCP_ESTABLISHED = 1
 RCVBUF = 4096
 
@@ -181,8 +182,8 @@ def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: Launc
 
     async def crowded() -> tuple[list[bytes], list[dict], list[dict], int]:
         async with httpx.AsyncClient(timeout=120.0) as http:
-            slow = [asyncio.create_task(_raw_client(port, i, 1024, 12.0)) for i in range(SLOW)]
-            stopped = [asyncio.create_task(_raw_client(port, 100 + i, 0, 20.0)) for i in range(STOPPED)]
+            slow = [asyncio.create_task(_raw_client(port, i, 1024, WATCH_S)) for i in range(SLOW)]
+            stopped = [asyncio.create_task(_raw_client(port, 100 + i, 0, WATCH_S)) for i in range(STOPPED)]
             await asyncio.sleep(1.0)  # the slow ones are in, and their buffers are filling
             normal_task = asyncio.gather(*(_normal(http, url, i) for i in range(NORMAL)))
             peak = _rss_kib(pid)
@@ -289,7 +290,7 @@ def test_a_stalled_websocket_reader_is_reset_and_others_are_untouched(server: La
     before = _wait_settled(server)
 
     async def crowded() -> tuple[list[bytes], list[dict]]:
-        stalled = [asyncio.create_task(_stalled_ws(port, i, 20.0)) for i in range(stalled_count)]
+        stalled = [asyncio.create_task(_stalled_ws(port, i, WATCH_S)) for i in range(stalled_count)]
         await asyncio.sleep(0.5)
         normal = await asyncio.gather(*(_normal_ws(server.url, i) for i in range(normal_count)))
         return normal, await asyncio.gather(*stalled)
