@@ -174,6 +174,19 @@ def test_websocket_disconnect_mid_stream_frees_the_slot(server: ServerThread) ->
     wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after WebSocket disconnect")
 
 
+
+def test_websocket_disconnect_counts_the_requests_queued_behind_the_running_one(server: ServerThread) -> None:
+    before = stats(server)["gateway"]["requests"]["ws"].get("cancelled", 0)
+    with ws_connect(api_client.stream_url(server.base_url)) as ws:
+        for i in range(3):  # one runs, two wait their turn on this socket
+            ws.send(json.dumps({"text": f"A long story, part {i}.", **LONG}))
+        assert isinstance(ws.recv(timeout=30), bytes)
+    # All three were accepted; the disconnect cancelled them all, and each is counted.
+    wait_for(lambda: stats(server)["gateway"]["requests"]["ws"].get("cancelled", 0) == before + 3, 2.0,
+             "every request on the socket counted as cancelled")
+    wait_for(lambda: _active_sessions(server) == 0, 1.0, "slot freed after WebSocket disconnect")
+
+
 # ------------------------------------------------------------------ bad input
 
 

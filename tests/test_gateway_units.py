@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from types import SimpleNamespace
+
 import grpc
 import pytest
 from pydantic import ValidationError
@@ -15,17 +19,19 @@ from orpheus_serve.api.errors import (
     http_headers,
     mapping_for,
 )
-from orpheus_serve.api.gateway import ConnectionLimiter, voice_list
+from orpheus_serve.api.gateway import ConnectionLimiter, OutputOptions, SpeechStream, voice_list
 from orpheus_serve.api.grpc_server import metrics_to_proto, request_from_proto
 from orpheus_serve.api.proto import orpheus_pb2 as pb
 from orpheus_serve.api.schemas import SpeechRequestBody, StreamRequestMessage, first_validation_error
 from orpheus_serve.protocol import OPENAI_VOICE_ALIASES, VOICES
 from orpheus_serve.synthesis import (
+    AudioChunk,
     EngineFailureError,
     InvalidRequestError,
     QueueFullError,
     ServiceUnavailableError,
     SynthesisMetrics,
+    SynthesisRequest,
     SynthesisTimeoutError,
 )
 
@@ -169,3 +175,76 @@ def test_voice_list_covers_every_voice_and_alias() -> None:
     voices = voice_list()
     assert [v["id"] for v in voices] == list(VOICES)
     assert sorted(a for v in voices for a in v["aliases"]) == sorted(OPENAI_VOICE_ALIASES)
+
+
+def test_closing_a_stream_stops_its_pump_when_a_hand_over_completes_as_it_is_cancelled() -> None:
+    """A client that leaves just as its pump hands over an item: before Python 3.12, asyncio.wait_for
+    swallows a cancellation that arrives as the awaited put completes (gh-86296). The pump must stop at
+    close all the same, not feed a queue nobody reads until the stall timeout (the session kept for
+    nothing all that time, the client counted as stalled instead of gone)."""
+
+    async def scenario() -> tuple[float, list[str], bool]:
+        generator_closed = asyncio.Event()
+
+        class Service:
+            async def synthesize(self, request: SynthesisRequest):
+                try:
+                    for i in range(1000):
+                        yield AudioChunk(pcm=b"\0\0" * 2048, index=i, start_sample=2048 * i)
+                finally:
+                    generator_closed.set()
+
+        statuses: list[str] = []
+        gateway = SimpleNamespace(
+            service=Service(), config=SimpleNamespace(server=SimpleNamespace(stalled_client_timeout_s=5.0)),
+            stream_opened=lambda protocol: None, stream_closed=lambda protocol, status: statuses.append(status),
+            metrics=SimpleNamespace(first_byte=lambda *args: None))
+        stream = SpeechStream(gateway, SynthesisRequest(text="hi"), OutputOptions(), "rest", received_at=0.0,
+                              lease=None)
+        assert await stream.start()
+        while not stream._queue.full():  # the pump fills the queue, then waits to hand over the next item
+            await asyncio.sleep(0)
+        stream._queue.get_nowait()  # the consumer takes one: the waiting put completes ...
+        await asyncio.sleep(0)
+        started = time.perf_counter()
+        await stream.close()  # ... and the pump is cancelled in that same instant
+        return time.perf_counter() - started, statuses, generator_closed.is_set()
+
+    took, statuses, generator_closed = asyncio.run(scenario())
+    assert statuses == ["cancelled"]
+    assert generator_closed
+    assert took < 1.0, took
+
+
+def test_a_close_cancelled_while_it_waits_still_returns_the_slot_and_counts_the_outcome() -> None:
+    """A client's cancel can land while its handler is already closing the stream (the request had just
+    finished): the connection slot and the open-stream count must be returned all the same."""
+
+    async def scenario() -> tuple[list[str], int]:
+        class Service:
+            async def synthesize(self, request: SynthesisRequest):
+                try:
+                    for i in range(1000):
+                        yield AudioChunk(pcm=b"\0\0" * 2048, index=i, start_sample=2048 * i)
+                finally:
+                    await asyncio.sleep(0.2)  # the session's cleanup takes a moment
+
+        statuses: list[str] = []
+        gateway = SimpleNamespace(
+            service=Service(), config=SimpleNamespace(server=SimpleNamespace(stalled_client_timeout_s=5.0)),
+            stream_opened=lambda protocol: None, stream_closed=lambda protocol, status: statuses.append(status),
+            metrics=SimpleNamespace(first_byte=lambda *args: None))
+        limiter = ConnectionLimiter(1)
+        stream = SpeechStream(gateway, SynthesisRequest(text="hi"), OutputOptions(), "grpc", received_at=0.0,
+                              lease=limiter.acquire())
+        assert await stream.start()
+        closing = asyncio.create_task(stream.close())
+        await asyncio.sleep(0.05)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        return statuses, limiter.open
+
+    statuses, still_open = asyncio.run(scenario())
+    assert statuses == ["cancelled"]
+    assert still_open == 0

@@ -1,29 +1,50 @@
 """Slow readers and clients that stop reading cost bounded memory and nobody else's audio (DESIGN §5a).
 
-A real server subprocess (sim engine and sim codec: deterministic per seed, so a stream's audio is
-the same bytes however loaded the server is, and GPU-like pacing so 48 streams fit on a small
-CPU). Slow and stalled clients are raw sockets with a 4 KiB receive buffer, so that the kernel does
-not quietly absorb seconds of audio for them: what they do not read really stays at the server.
+A real server subprocess with the sim engine and the sim codec. Why not the torch engine on the tiny
+model: 48 concurrent streams long enough to fill a client's buffers take minutes of CPU on a 2-core
+machine, and the sim backend is exact for what is checked here: its tokens depend only on the
+request's seed and its audio only on those tokens, so a stream's bytes are the same however loaded
+the server is, unless the pipeline loses, repeats or reorders audio. Everything between the socket
+and the scheduler is the real code.
+
+Slow and stopped clients are raw sockets with a 4 KiB receive buffer (set before connecting), so the
+kernel does not quietly absorb seconds of audio for them: what they do not read stays at the server
+and really blocks its writes. "Cut off" is checked from the client's side without reading: the
+socket leaves ESTABLISHED only when the server resets it (a FIN would sit behind the unread bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import pytest
+from websockets.asyncio.client import connect as ws_connect
 
+from orpheus_serve.api import client as api_client
+from orpheus_serve.api.proto import orpheus_pb2 as pb
+from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.benchmarking.launch import LaunchedServer
-from tests.gateway_support import settled_stats
 
 NORMAL = 8
 SLOW = 20  # read 1 KB/s
 STOPPED = 20  # read the response head, then nothing
 STALL_TIMEOUT_S = 3.0
+# After the timeout, the time the server may take to notice a client stopped: its socket buffers (~200 KiB
+# with server.socket_send_buffer_bytes at 64 KiB) and the bounded server-side buffer (max_server_buffer_s of
+# audio) fill first, at the sim's generation speed (about 5 s here).
+FILL_SLACK_S = 12.0
+WATCH_S = STALL_TIMEOUT_S + FILL_SLACK_S + 3.0  # how long slow and stopped clients run and watch
+TCP_ESTABLISHED = 1
+RCVBUF = 4096
 
 
 def _overrides(tiny_orpheus: Path) -> list[str]:
@@ -36,11 +57,54 @@ def _overrides(tiny_orpheus: Path) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def server(tiny_orpheus: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("slow-readers") / "server.log"
+    with LaunchedServer(_overrides(tiny_orpheus), log_path=log) as launched:
+        yield launched
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
+
+
+def _socket_fds(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed while listing
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return count
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    """The kernel's TCP state of a socket (first byte of TCP_INFO), read without touching its data."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except OSError:
+        return -1
+
+
+def _small_buffer_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)  # before connect: it sets the window
+    sock.setblocking(False)
+    return sock
+
+
+def _wait_settled(server: LaunchedServer, within_s: float = 30.0) -> dict[str, Any]:
+    """Stats once nothing is live any more (sessions, slots, codec work, open streams)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = server.stats()
+        busy = (stats["scheduler"]["active_sessions"] or stats["scheduler"]["pending_sessions"]
+                or stats["kv_cache"]["used_slots"] or stats["codec"]["queued_sessions"]
+                or stats["gateway"]["open_connections"])
+        if not busy or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
 
 
 async def _normal(http: httpx.AsyncClient, url: str, i: int) -> bytes:
@@ -50,119 +114,246 @@ async def _normal(http: httpx.AsyncClient, url: str, i: int) -> bytes:
     return response.content
 
 
-async def _raw_client(port: int, i: int, read_bytes_per_s: float, stop: asyncio.Event) -> dict:
-    """POST by hand on a socket with a tiny receive buffer; read at `read_bytes_per_s` (0: never after the
-    head) until `stop`. Returns what it read and whether the server closed the connection."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
+async def _raw_client(port: int, i: int, read_bytes_per_s: float, duration_s: float) -> dict[str, Any]:
+    """POST by hand on a socket with a tiny receive buffer; read at `read_bytes_per_s` (0: nothing after
+    the response head) for up to `duration_s`. `reset_at`: seconds from the request to the moment the
+    server reset the connection (None: still open at the end)."""
     loop = asyncio.get_running_loop()
+    sock = _small_buffer_socket()
     await loop.sock_connect(sock, ("127.0.0.1", port))
     body = json.dumps({"input": f"Slow listener {i} wants a very long story read aloud.", "response_format": "pcm",
                        "max_tokens": 2800, "seed": i}).encode()
     head = (f"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
+    started = time.monotonic()
     await loop.sock_sendall(sock, head + body)
     received = 0
-    closed_at = None
-    started = time.monotonic()
+    reset_at = None
     try:
         first = await asyncio.wait_for(loop.sock_recv(sock, 1024), 30)
         received += len(first)
         assert first.startswith(b"HTTP/1.1 200"), first[:100]
-        while not stop.is_set():
-            if read_bytes_per_s <= 0:
-                await asyncio.sleep(0.25)
-                # Not reading: only look whether the server has closed (a zero-byte peek would read).
-                continue
-            await asyncio.sleep(1024 / read_bytes_per_s)
-            try:
-                data = await asyncio.wait_for(loop.sock_recv(sock, 1024), 5)
-            except asyncio.TimeoutError:
-                continue
-            if not data:
-                closed_at = time.monotonic() - started
+        next_read = time.monotonic()
+        while time.monotonic() - started < duration_s:
+            if _tcp_state(sock) != TCP_ESTABLISHED:
+                reset_at = time.monotonic() - started
                 break
-            received += len(data)
-        if read_bytes_per_s <= 0 and closed_at is None:
-            # Drain what is there to see whether the server hung up (EOF or reset after its buffers). Its FIN
-            # queues behind the data, so only reading shows it; a client not cut yet is cut within the
-            # stall timeout plus the time its sockets take to fill.
-            while True:
-                data = await asyncio.wait_for(loop.sock_recv(sock, 65536), 20.0)
+            if read_bytes_per_s > 0 and time.monotonic() >= next_read:
+                next_read += 1024 / read_bytes_per_s
+                try:
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 1024), 0.5)
+                except asyncio.TimeoutError:
+                    continue
                 if not data:
-                    closed_at = time.monotonic() - started
+                    reset_at = time.monotonic() - started
                     break
                 received += len(data)
+            await asyncio.sleep(0.05)
     except (ConnectionResetError, BrokenPipeError):
-        closed_at = time.monotonic() - started
-    except TimeoutError:
-        pass  # still open: the assertion on closed_at says so
+        reset_at = time.monotonic() - started
     finally:
         sock.close()
-    return {"received": received, "closed_at": closed_at}
+    return {"received": received, "reset_at": reset_at}
 
 
-@pytest.mark.slow
-def test_slow_and_stalled_readers_do_not_touch_normal_streams(tiny_orpheus: Path, tmp_path: Path) -> None:
-    with LaunchedServer(_overrides(tiny_orpheus), log_path=tmp_path / "server.log") as server:
-        url = f"{server.url}/v1/audio/speech"
-        port = server.http_port
-        assert server.process is not None
-        pid = server.process.pid
+def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: LaunchedServer) -> None:
+    """8 normal streams beside 20 clients reading 1 KB/s and 20 that stop reading: the normal ones are
+    bit-identical to a run alone, the stopped ones are reset after the stall timeout (their sessions
+    cancelled, their slots freed), and the server's memory grows by a bounded amount per client.
 
-        async def baseline() -> list[bytes]:
-            async with httpx.AsyncClient(timeout=120.0) as http:
-                return await asyncio.gather(*(_normal(http, url, i) for i in range(NORMAL)))
+    The 1 KB/s readers are held back (backpressure) and, at this timeout, cut off as stalled too: the
+    server sees a client take audio only when the write of a chunk completes, and once the socket is full
+    that waits until asyncio's write buffer has drained from its 64 KiB high-water mark to 16 KiB: 48 KiB,
+    about 48 s at 1 KB/s. So a client slower than about 16 KB/s (a third of real time) counts as stalled
+    at a 3 s timeout. Cut or not, they must not cost the others anything; each one cut counts as stalled."""
+    url = f"{server.url}/v1/audio/speech"
+    port = server.http_port
+    assert server.process is not None
+    pid = server.process.pid
 
-        alone = asyncio.run(baseline())
-        rss_before = _rss_kib(pid)
+    async def baseline() -> list[bytes]:
+        async with httpx.AsyncClient(timeout=120.0) as http:
+            return await asyncio.gather(*(_normal(http, url, i) for i in range(NORMAL)))
 
-        cut_times: list[float] = []  # when the server had cut how many stalled clients, from its own counters
+    alone = asyncio.run(baseline())
+    before = _wait_settled(server)
+    rss_before = _rss_kib(pid)
+    fds_before = _socket_fds(pid)
 
-        async def crowded() -> tuple[list[bytes], list[dict], list[dict], int]:
-            async with httpx.AsyncClient(timeout=120.0) as http:
-                started = time.monotonic()
-                stop = asyncio.Event()
-                slow = [asyncio.create_task(_raw_client(port, i, 1024, stop)) for i in range(SLOW)]
-                stopped = [asyncio.create_task(_raw_client(port, 100 + i, 0, stop)) for i in range(STOPPED)]
-                await asyncio.sleep(1.0)  # the slow ones are in, and their buffers are filling
-                normal = await asyncio.gather(*(_normal(http, url, i) for i in range(NORMAL)))
-                peak = _rss_kib(pid)
-                # Until the server has cut every client that stopped reading (bounded: a minute).
-                while len(cut_times) < STOPPED and time.monotonic() - started < 60.0:
-                    outcomes = (await http.get(f"{server.url}/v1/stats")).json()["gateway"]["requests"]["rest"]
-                    peak = max(peak, _rss_kib(pid))
-                    while len(cut_times) < outcomes.get("client_stalled", 0):
-                        cut_times.append(time.monotonic() - started)
-                    await asyncio.sleep(0.25)
-                stop.set()
-                return normal, await asyncio.gather(*slow), await asyncio.gather(*stopped), peak
+    async def crowded() -> tuple[list[bytes], list[dict], list[dict], int]:
+        async with httpx.AsyncClient(timeout=120.0) as http:
+            slow = [asyncio.create_task(_raw_client(port, i, 1024, WATCH_S)) for i in range(SLOW)]
+            stopped = [asyncio.create_task(_raw_client(port, 100 + i, 0, WATCH_S)) for i in range(STOPPED)]
+            await asyncio.sleep(1.0)  # the slow ones are in, and their buffers are filling
+            normal_task = asyncio.gather(*(_normal(http, url, i) for i in range(NORMAL)))
+            peak = _rss_kib(pid)
+            while not all(t.done() for t in stopped) or not normal_task.done():
+                peak = max(peak, _rss_kib(pid))
+                await asyncio.sleep(0.1)
+            return await normal_task, await asyncio.gather(*slow), await asyncio.gather(*stopped), peak
 
-        normal, slow, stopped, rss_peak = asyncio.run(crowded())
-        growth_mb = (max(rss_peak, _rss_kib(pid)) - rss_before) / 1024
+    normal, slow, stopped, rss_peak = asyncio.run(crowded())
+    growth_mib = (max(rss_peak, _rss_kib(pid)) - rss_before) / 1024
+    per_client_kib = growth_mib * 1024 / (SLOW + STOPPED)
 
-        # Normal streams: the same bytes as with nobody else around.
-        assert [len(a) for a in normal] == [len(a) for a in alone]
-        assert normal == alone
+    # Normal streams: the same bytes as with nobody else around.
+    assert [len(a) for a in normal] == [len(a) for a in alone]
+    assert normal == alone
 
-        # Clients that stopped reading were cut off: the server closed their connections (they find the
-        # end once they read what their buffers held) within the run, the timeout after their sockets filled.
-        assert all(c["closed_at"] is not None for c in stopped), stopped
-        assert len(cut_times) >= STOPPED, cut_times
-        assert cut_times[0] >= STALL_TIMEOUT_S  # never before the timeout
-        cut = cut_times[:STOPPED]
+    # Clients that stopped reading were reset by the server, not before the timeout and not long after
+    # their buffers filled, while they still held their sockets open and read nothing.
+    reset_times = sorted(c["reset_at"] for c in stopped if c["reset_at"] is not None)
+    assert len(reset_times) == STOPPED, stopped
+    assert reset_times[0] >= STALL_TIMEOUT_S, reset_times
+    assert reset_times[-1] <= STALL_TIMEOUT_S + FILL_SLACK_S, reset_times
 
-        # Everything ends: no slot, no session, no codec state is left behind.
-        stats = settled_stats(server.stats)
-        assert stats["kv_cache"]["used_slots"] == 0 and stats["scheduler"]["active_sessions"] == 0
-        assert stats["codec"]["queued_sessions"] == 0 and stats["codec"]["backlog_frames"] == 0
-        stalled = stats["gateway"]["requests"]["rest"].get("client_stalled", 0)
-        assert stalled >= STOPPED, stats["gateway"]["requests"]
-        flow = stats["flow"]
-        print(f"RSS {rss_before / 1024:.1f} MB -> peak {rss_peak / 1024:.1f} MB (+{growth_mb:.1f} MB, "
-              f"{growth_mb * 1024 / (SLOW + STOPPED):.0f} KiB per slow or stalled client); stopped clients cut "
-              f"after {min(cut):.1f}-{max(cut):.1f} s; slow clients read {sum(c['received'] for c in slow)} bytes, "
-              f"{sum(c['closed_at'] is not None for c in slow)} of {SLOW} cut; outcomes "
-              f"{stats['gateway']['requests']['rest']}; backpressure skips {flow['backpressure_skips']}")
-        assert growth_mb < 100
+    # Everything ends: no slot, no session, no codec state, no connection is left behind.
+    after = _wait_settled(server)
+    assert after["kv_cache"]["used_slots"] == 0 and after["scheduler"]["active_sessions"] == 0
+    assert after["scheduler"]["pending_sessions"] == 0
+    assert after["codec"]["queued_sessions"] == 0 and after["codec"]["backlog_frames"] == 0
+    assert after["gateway"]["open_connections"] == 0
+    deadline = time.monotonic() + 2.0  # the stats request's own connection closes a moment after its answer
+    while _socket_fds(pid) > fds_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _socket_fds(pid) <= fds_before
+
+    def delta(*path: str) -> int:
+        a, b = after, before
+        for key in path:
+            a, b = a.get(key, 0) if isinstance(a, dict) else 0, b.get(key, 0) if isinstance(b, dict) else 0
+        return int(a) - int(b)
+
+    stalled = delta("gateway", "requests", "rest", "client_stalled")
+    slow_reset = sum(c["reset_at"] is not None for c in slow)
+    # Every cut-off client counted as stalled, and nothing else was.
+    assert stalled == STOPPED + slow_reset, (stalled, slow_reset)
+    assert delta("gateway", "requests", "rest", "ok") == NORMAL
+    # Each stalled client's session was cancelled in the scheduler (one session per request: short texts).
+    assert delta("scheduler", "cancelled") == stalled
+    assert delta("requests", "requests_cancelled") == stalled
+    assert delta("scheduler", "finished") + delta("scheduler", "cancelled") == \
+        delta("scheduler", "total_sessions") == NORMAL + SLOW + STOPPED
+    assert delta("scheduler", "failed") == delta("scheduler", "timed_out") == 0
+
+    flow = after["flow"]
+    print(f"\nRSS {rss_before / 1024:.1f} MiB -> peak {rss_peak / 1024:.1f} MiB (+{growth_mib:.1f} MiB, "
+          f"{per_client_kib:.0f} KiB per slow or stopped client); stopped clients reset after "
+          f"{reset_times[0]:.1f}-{reset_times[-1]:.1f} s (timeout {STALL_TIMEOUT_S:g} s); slow clients read "
+          f"{sum(c['received'] for c in slow)} bytes in all, {slow_reset} of {SLOW} cut off as stalled; "
+          f"outcomes {after['gateway']['requests']['rest']}; backpressure skips {flow['backpressure_skips']}")
+    assert growth_mib < 100
+    # Bounded per client: its server-side buffer (max_server_buffer_s = 2 s, 96 KiB of PCM), the items in its
+    # pump and the transport's write buffer (64 KiB), with room for allocator noise.
+    assert per_client_kib < 1024, per_client_kib
+
+
+# ------------------------------------------------------------ WebSocket and gRPC
+
+
+async def _stalled_ws(port: int, i: int, duration_s: float) -> dict[str, Any]:
+    """A websockets client on a 4 KiB receive buffer that sends one long request and never reads
+    (max_queue=1: the library stops reading the socket once one frame waits)."""
+    sock = _small_buffer_socket()
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    ws = await ws_connect(f"ws://127.0.0.1:{port}/v1/audio/stream", sock=sock, max_queue=1, max_size=None)
+    started = time.monotonic()
+    await ws.send(json.dumps({"text": f"Stalled listener {i} wants a very long story.", "max_tokens": 2800,
+                              "seed": 200 + i}))
+    reset_at = None
+    try:
+        while time.monotonic() - started < duration_s:
+            if _tcp_state(sock) != TCP_ESTABLISHED:
+                reset_at = time.monotonic() - started
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        ws.transport.abort()
+    return {"reset_at": reset_at}
+
+
+async def _normal_ws(base_url: str, i: int) -> bytes:
+    result = await api_client.synthesize_ws(base_url, f"Listener {i} hears the whole story.", seed=2000 + i,
+                                            max_tokens=700, timeout_s=120)
+    assert result.ok, result.error
+    return bytes(result.audio)
+
+
+def test_a_stalled_websocket_reader_is_reset_and_others_are_untouched(server: LaunchedServer) -> None:
+    stalled_count, normal_count = 5, 4
+    port = server.http_port
+
+    async def baseline() -> list[bytes]:
+        return await asyncio.gather(*(_normal_ws(server.url, i) for i in range(normal_count)))
+
+    alone = asyncio.run(baseline())
+    before = _wait_settled(server)
+
+    async def crowded() -> tuple[list[bytes], list[dict]]:
+        stalled = [asyncio.create_task(_stalled_ws(port, i, WATCH_S)) for i in range(stalled_count)]
+        await asyncio.sleep(0.5)
+        normal = await asyncio.gather(*(_normal_ws(server.url, i) for i in range(normal_count)))
+        return normal, await asyncio.gather(*stalled)
+
+    normal, stalled = asyncio.run(crowded())
+    assert normal == alone
+    reset_times = sorted(c["reset_at"] for c in stalled if c["reset_at"] is not None)
+    assert len(reset_times) == stalled_count, stalled
+    assert reset_times[0] >= STALL_TIMEOUT_S and reset_times[-1] <= STALL_TIMEOUT_S + FILL_SLACK_S, reset_times
+
+    after = _wait_settled(server)
+    ws_after, ws_before = after["gateway"]["requests"]["ws"], before["gateway"]["requests"]["ws"]
+    assert ws_after.get("client_stalled", 0) - ws_before.get("client_stalled", 0) == stalled_count
+    assert ws_after.get("ok", 0) - ws_before.get("ok", 0) == normal_count
+    assert after["scheduler"]["cancelled"] - before["scheduler"]["cancelled"] == stalled_count
+    assert after["kv_cache"]["used_slots"] == 0 and after["gateway"]["open_connections"] == 0
+    print(f"\nWebSocket: stalled readers reset after {reset_times[0]:.1f}-{reset_times[-1]:.1f} s")
+
+
+def test_a_stalled_grpc_reader_loses_its_session_at_the_timeout(server: LaunchedServer) -> None:
+    """A gRPC client that stops reading (BDP probing off, so its HTTP/2 window stays at 64 KiB instead of
+    growing to hold the whole utterance): its session is cancelled and its slot freed after the timeout.
+    The call itself stays open until the client reads again (grpc.aio cannot end a call whose writes wait
+    on flow control); the client then gets DEADLINE_EXCEEDED after the audio already in flight."""
+    before = _wait_settled(server)
+
+    async def scenario() -> tuple[float | None, dict[str, Any], int, grpc.StatusCode | None]:
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(server.grpc_addr, options=options) as channel:
+            started = time.monotonic()
+            call = pb_grpc.SynthesizerStub(channel).Synthesize(pb.SynthesizeRequest(
+                text="A stalled listener wants a very long story.",
+                sampling=pb.SamplingOptions(max_tokens=2800, seed=7)))
+            first = await call.read()
+            assert first.HasField("audio")
+            cancelled_at = None
+            async with httpx.AsyncClient(timeout=10) as http:
+                while time.monotonic() - started < STALL_TIMEOUT_S + FILL_SLACK_S:
+                    stats = (await http.get(f"{server.url}/v1/stats")).json()
+                    if stats["scheduler"]["cancelled"] > before["scheduler"]["cancelled"]:
+                        cancelled_at = time.monotonic() - started
+                        break
+                    await asyncio.sleep(0.1)
+                deadline = time.monotonic() + 2.0  # the slot is released by the engine's next plan
+                held = (await http.get(f"{server.url}/v1/stats")).json()
+                while held["kv_cache"]["used_slots"] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    held = (await http.get(f"{server.url}/v1/stats")).json()
+            messages, code = 1, None
+            try:
+                while (await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+                    messages += 1
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            return cancelled_at, held, messages, code
+
+    cancelled_at, held, messages, code = asyncio.run(scenario())
+    assert cancelled_at is not None and cancelled_at >= STALL_TIMEOUT_S, cancelled_at
+    assert held["scheduler"]["active_sessions"] == 0 and held["kv_cache"]["used_slots"] == 0
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, messages)
+    after = _wait_settled(server)
+    grpc_after, grpc_before = after["gateway"]["requests"]["grpc"], before["gateway"]["requests"]["grpc"]
+    assert grpc_after.get("client_stalled", 0) - grpc_before.get("client_stalled", 0) == 1
+    print(f"\ngRPC: session cancelled {cancelled_at:.1f} s after the request; the call was still open then "
+          f"({held['gateway']['open_connections']} connection(s) held); the client read {messages} audio "
+          f"messages before {code.name}")

@@ -142,6 +142,9 @@ class Gateway:
         # it works, so they run here instead of on the event loop that serves every stream.
         self.encode_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
                                               thread_name_prefix="audio-encode")
+        # Set by the server that owns the HTTP listener: resets the connection of an ASGI scope's
+        # `client` (host, port); True if it found one. None: stalled clients only get a graceful close.
+        self.connection_resetter: Callable[[Any], bool] | None = None
 
     def close(self) -> None:
         """Release the encoding threads (after the listeners are closed)."""
@@ -190,6 +193,15 @@ class Gateway:
 
     def acquire_connection(self) -> ConnectionLease:
         return self.limiter.acquire()
+
+    def reset_connection(self, client: Any) -> bool:
+        """Drop the HTTP/WebSocket connection of a client that stopped reading, buffers and all.
+
+        A graceful close waits until the bytes already written reach the client, which never happens
+        when it reads nothing: the socket, its kernel buffers and the transport's write buffer would
+        stay until the client itself goes away, and the client would never learn it was cut off."""
+        resetter = self.connection_resetter
+        return resetter(client) if resetter is not None and client is not None else False
 
     async def open_stream(self, request: SynthesisRequest, output: OutputOptions, protocol: ProtocolName, *,
                           received_at: float, lease: ConnectionLease | None = None,
@@ -343,7 +355,10 @@ class SpeechStream:
                 f"the client took no audio for {timeout:g} s (server.stalled_client_timeout_s)"))
             self.stalled.set()
             return False
-        return True
+        # close() may have cancelled the pump in the very instant the put completed: before Python 3.12,
+        # wait_for then returns the put's result and the cancellation is lost (gh-86296). Without this
+        # check the pump would go on into a queue nobody reads, keeping the session for the stall timeout.
+        return not self._closed
 
     async def start(self, disconnected: Callable[[], Awaitable[object]] | None = None) -> bool:
         """Wait for the first item; raise its error if it is one. False if the client left first."""

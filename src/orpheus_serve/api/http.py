@@ -199,8 +199,8 @@ class SpeechResponse(StreamingResponse):
     """Streams a SpeechStream and closes it however the response ends (done, error, client gone).
 
     A client that stops reading leaves the response waiting for its socket to drain; when the stream
-    reports it stalled (server.stalled_client_timeout_s), the response is abandoned mid-body and
-    uvicorn closes the connection."""
+    reports it stalled (server.stalled_client_timeout_s), the response is abandoned mid-body and the
+    connection is reset (Gateway.reset_connection): a graceful close would wait for the client to read."""
 
     def __init__(self, stream: SpeechStream, content: AsyncIterator[bytes], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
@@ -225,6 +225,8 @@ class SpeechResponse(StreamingResponse):
             # A client disconnect cancels the response task; the session must still be cancelled.
             with anyio.CancelScope(shield=True):
                 await self.stream.close(error)
+            if self.stream.stalled.is_set():
+                self.stream.gateway.reset_connection(scope.get("client"))
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

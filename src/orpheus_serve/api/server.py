@@ -20,6 +20,7 @@ import contextlib
 import logging
 import signal
 import socket
+import struct
 import sys
 import threading
 from collections.abc import Coroutine, Generator
@@ -83,6 +84,7 @@ class OrpheusServer:
         self.config = config
         self.service = service
         self.gateway = Gateway(service, config)
+        self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -114,6 +116,28 @@ class OrpheusServer:
         await self._grpc.start()
         log.info("listening: HTTP/WebSocket on %s:%d, gRPC on %s:%d (model %s, backend %s); warming up",
                  server_cfg.host, self.http_port, server_cfg.host, self.grpc_port, info.id, info.backend)
+
+    def _reset_connection(self, client: Any) -> bool:
+        """Reset the HTTP/WebSocket connection whose peer is `client` (an ASGI scope's (host, port)).
+
+        uvicorn only closes connections gracefully: the socket stays open until its unsent bytes are
+        written, so a client that stopped reading would keep it, its kernel buffers and the transport's
+        write buffer for as long as it likes. Linger 0 then abort: the socket is closed at once with a
+        reset, and its buffers are freed."""
+        if self._uvicorn is None:
+            return False
+        address = tuple(client)
+        for protocol in list(self._uvicorn.server_state.connections):
+            transport = getattr(protocol, "transport", None)
+            if getattr(protocol, "client", None) != address or transport is None:
+                continue
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+            return True
+        return False
 
     async def start(self) -> None:
         """Open the listeners (unless open), then warm the service up; returns once /ready is true."""

@@ -108,6 +108,7 @@ class StreamConnection:
         self._current: asyncio.Task[None] | None = None
         self._current_id: str | None = None
         self._accepted = 0
+        self._stalled = False  # a request found the client reading nothing: the connection is reset
 
     async def _send_json(self, body: dict[str, Any]) -> None:
         async with self._send_lock:
@@ -153,7 +154,12 @@ class StreamConnection:
             pending = {t for t in (self._current, reader) if t is not None}
             if pending:
                 await asyncio.wait(pending)
+            for _ in self._queued:  # accepted but never started: cancelled by the disconnect, counted as such
+                self.gateway.record("ws", "cancelled")
+            self._queued.clear()
             lease.release()
+            if self._stalled:
+                self.gateway.reset_connection(self.ws.scope.get("client"))
 
     async def _serve(self) -> None:
         next_message = asyncio.create_task(self._inbox.get())
@@ -297,6 +303,7 @@ class StreamConnection:
                 raise
             # Cancelled by the watcher: the client reads nothing (its socket is full), so no message can
             # reach it; the connection is dropped.
+            self._stalled = True
             raise ConnectionAbortedError(f"request {request_id}: the client stopped reading") from None
         finally:
             watcher.cancel()

@@ -220,7 +220,7 @@ class CodecWorker:
         thread.join(timeout_s)
         return not thread.is_alive()
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | None]:
         with self._cond:
             c = self._counters
             now = time.monotonic()
@@ -241,7 +241,10 @@ class CodecWorker:
                 "dropped_frames": c.dropped_frames,
                 "callback_errors": c.callback_errors,
                 "queued_sessions": len(self._pending),
-                # Per-session state the decoder holds (the stateful decoder's pool rows); None if it keeps none.
+                # Per-session state that must be gone once a session ends (leak checks): the worker's own set of
+                # sessions whose audio has begun, and the decoder's state (the stateful decoder's pool rows; None
+                # if it keeps none).
+                "started_sessions": len(self._started),
                 "decoder_sessions": getattr(self.decoder, "active_sessions", None),
             }
 
