@@ -9,7 +9,7 @@ fi
 stamp=.venv/.installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch first and pinned: on a CPU-only machine this is the CPU build.
+  # torch first and pinned (pyproject.toml only sets a floor): on a CPU-only machine this is the CPU build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev,bench]"
   touch "$stamp"

@@ -62,3 +62,24 @@ def test_make_tiny_models_is_deterministic(tmp_path: Path, tiny_orpheus: Path) -
     a = (tmp_path / "tiny-orpheus" / "model.safetensors").read_bytes()
     assert a == (tiny_orpheus / "model.safetensors").read_bytes()
     assert (tmp_path / "tiny-orpheus" / "tokenizer.json").read_bytes() == (tiny_orpheus / "tokenizer.json").read_bytes()
+
+
+def test_tensorrt_preset_has_a_head_size_the_attention_plugin_takes() -> None:
+    from orpheus_serve.tiny_models import llama_config
+    from tests.test_trtllm_gpu import TRT_PRESET
+
+    config = llama_config(TRT_PRESET)
+    assert 32 <= config["head_dim"] <= 256 and config["head_dim"] % 8 == 0
+    assert config["head_dim"] * config["num_attention_heads"] == config["hidden_size"]
+
+
+def test_3b_preset_is_the_orpheus_3b_shape() -> None:
+    from orpheus_serve.tiny_models import llama_config
+
+    config = llama_config("3b")
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (28, 3072, 8192)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (24, 8, 128)
+    assert config["vocab_size"] == 156940 and config["tie_word_embeddings"] is True
+    assert config["rope_theta"] == 500000.0
+    assert config["rope_scaling"] == {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}

@@ -151,3 +151,32 @@ def test_engine_mismatch() -> None:
     assert slots is not None and "max_concurrent_sessions" in slots and "rebuild" in slots
     length = engine_mismatch(_manifest(), num_slots=8, max_seq_len=8192)
     assert length is not None and "engine.max_seq_len" in length
+
+
+# What TensorRT-LLM 1.2.1 pins in its requirements (torch, numpy, transformers), and the versions a resolve of
+# `.[tensorrt]` then lands on for the packages both sides name.
+TRTLLM_1_2_RESOLVE = {"torch": "2.9.1", "numpy": "1.26.4", "transformers": "4.57.3", "fastapi": "0.121.3",
+                      "pydantic": "2.12.5", "huggingface-hub": "0.36.0", "tokenizers": "0.22.1"}
+
+
+def test_tensorrt_extra_admits_the_versions_tensorrt_llm_pins() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    by_name = {canonicalize_name(r.name): r for r in requirements}
+    for name, version in TRTLLM_1_2_RESOLVE.items():
+        requirement = by_name.get(canonicalize_name(name))
+        if requirement is not None:
+            assert requirement.specifier.contains(version, prereleases=True), (
+                f"{requirement} excludes {name} {version}, which TensorRT-LLM 1.2 needs: .[tensorrt] cannot resolve")
+    assert [str(r) for r in requirements if r.name == "tensorrt-llm"] == [] and any(
+        r.startswith("tensorrt-llm") for r in project["optional-dependencies"]["tensorrt"])
+
+
+def test_setup_script_still_installs_the_tested_torch_first() -> None:
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    pin = setup.index('"torch==2.13.0"')
+    assert pin < setup.index("pip install -q -e"), "the exact torch must be installed before the package"

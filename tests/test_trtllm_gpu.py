@@ -4,6 +4,8 @@ Skipped unless TensorRT-LLM 1.2.x and a CUDA GPU are present (conftest). Run in
 TensorRT-LLM's environment: `python -m pytest -q -m tensorrt tests/test_trtllm_gpu.py`.
 The tiny random-weight model has the real vocabulary, so the frame-position
 logits processor is the only thing that makes its output parse as audio frames.
+It is the `tiny-trt` preset: head size 64, since TensorRT-LLM's attention
+plugin accepts head sizes 32..256 only (the suite's usual tiny model has 16).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from orpheus_serve.engines.trtllm_build import main as build_main
 from orpheus_serve.engines.trtllm_engine import TrtLlmEngine
 from orpheus_serve.engines.vram_budget import supports_fp8
 from orpheus_serve.protocol import FrameParser, build_prompt_ids
+from orpheus_serve.tiny_models import write_tiny_models
+
+TRT_PRESET = "tiny-trt"
 
 pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu, pytest.mark.slow]
 
@@ -36,6 +41,12 @@ def _build(tiny_orpheus: Path, out: Path, dtype: str) -> None:
     for item in SIZES:
         args += ["--set", item]
     assert build_main(args) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_orpheus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a head size TensorRT-LLM accepts (overrides the suite's head-size-16 one)."""
+    return write_tiny_models(tmp_path_factory.mktemp("models"), preset=TRT_PRESET, snac=False)
 
 
 @pytest.fixture(scope="module")

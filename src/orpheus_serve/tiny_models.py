@@ -28,8 +28,15 @@ EOT_ID = 128009
 LLAMA_PRESETS: dict[str, dict] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2},
+    # Head size 64: TensorRT-LLM's attention plugin takes head sizes 32..256 only (the tiny preset has 16).
+    "tiny-trt": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2},
     "100m": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
              "num_attention_heads": 8, "num_key_value_heads": 2},
+    # The shapes of canopylabs/orpheus-3b-0.1-ft (Llama-3.2-3B): weight values do not change speed, so the
+    # GPU benchmarks measure this with random weights. 6.6 GB in bf16: write it with device="cuda".
+    "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+           "num_attention_heads": 24, "num_key_value_heads": 8},
 }
 
 SNAC_24KHZ_CONFIG = {
@@ -167,15 +174,19 @@ def llama_config(preset: str) -> dict:
     }
 
 
-def llama_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random weights with the names and shapes of a Hugging Face Llama checkpoint."""
-    gen = torch.Generator().manual_seed(seed)
+def llama_weights(cfg: dict, seed: int, *, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights with the names and shapes of a Hugging Face Llama checkpoint.
+
+    Drawn on `device` in `dtype` (a 3B model draws in seconds on a GPU, minutes on a CPU) and
+    returned on the CPU, ready to save."""
+    gen = torch.Generator(device).manual_seed(seed)
     d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg["head_dim"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def rand(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
+        return (torch.randn(*shape, generator=gen, device=device, dtype=dtype) * std).cpu()
 
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(v, d, std=1.0)}
     for i in range(cfg["num_hidden_layers"]):
@@ -193,13 +204,15 @@ def llama_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return {k: t.contiguous() for k, t in w.items()}
 
 
-def write_llama(out: Path, preset: str, seed: int) -> None:
+def write_llama(out: Path, preset: str, seed: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cfg = llama_config(preset)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": 128258, "pad_token_id": 128263}, indent=2))
-    save_file(llama_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(llama_weights(cfg, seed, device=device, dtype=dtype), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     write_tokenizer(out)
 
 
@@ -214,10 +227,10 @@ def write_snac(out: Path, seed: int) -> None:
 
 
 def write_tiny_models(out: Path, *, seed: int = 0, preset: str = "tiny", name: str | None = None,
-                      snac: bool = True) -> Path:
+                      snac: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """Write OUT/<name> (Llama) and, unless snac=False, OUT/tiny-snac. Returns the Llama folder."""
     name = name or ("tiny-orpheus" if preset == "tiny" else f"orpheus-{preset}")
-    write_llama(out / name, preset, seed)
+    write_llama(out / name, preset, seed, device=device, dtype=dtype)
     if snac:
         write_snac(out / "tiny-snac", seed)
     return out / name
