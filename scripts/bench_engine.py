@@ -4,6 +4,8 @@
     python scripts/bench_engine.py                       # tiny + ~100M random Llamas, batch 1, 4, 16, 32
     python scripts/bench_engine.py --presets 100m --batches 1,16 --rounds 5
     python scripts/bench_engine.py --model models/orpheus --device cuda   # a real checkpoint on a GPU
+    python scripts/bench_engine.py --presets "" --model models/orpheus-3b --device cuda --dtype bf16 \
+        --batches 1,8,32,64,128,256 --contexts 256,1024 --graphs on,off --constrained on,off --json engine.json
 
 For each model, one engine holds max(batches) sessions (prompt prefilled, Orpheus sampling:
 temperature 0.6, top_p 0.8, repetition penalty 1.1, constrained, seeded). Each round runs
@@ -11,11 +13,18 @@ temperature 0.6, top_p 0.8, repetition penalty 1.1, constrained, seeded). Each r
 see the same machine conditions; the median round per batch size is reported. Prints a table of
 step time, aggregate tokens/s and the ratio to batch 1. Random-weight models are written with
 scripts/make_tiny_models.py into --models-dir when missing.
+
+`--contexts` runs the whole measurement once per prompt length (the context each session
+attends over when timing starts; it grows by the steps run), `--graphs on,off` with and without
+CUDA graphs (one engine each; graphs exist on CUDA only), and `--constrained on,off` with the
+frame-position constraint's narrowed projection and without it (sessions prefilled again). `--json`
+writes one row per (model, context, graphs, constrained, batch), with the memory plan of each engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -31,6 +40,7 @@ from orpheus_serve import protocol as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
 from orpheus_serve.engines.base import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 from orpheus_serve.engines.llama import LlamaConfig  # noqa: E402
+from orpheus_serve.engines.memory import available_bytes, plan_memory  # noqa: E402
 from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
@@ -45,19 +55,60 @@ def ensure_model(models_dir: Path, preset: str) -> Path:
     return folder
 
 
+def _on_off(value: str) -> list[bool]:
+    modes = {"on": True, "off": False}
+    try:
+        return [modes[v] for v in value.split(",") if v]
+    except KeyError as exc:
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {value!r}") from exc
+
+
+def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtype: str,
+                memory_fraction: float = 0.9) -> dict[str, object]:
+    """What the engine's planner says about `slots` sessions of `max_seq_len` on this device."""
+    from orpheus_serve.engines.llama import torch_dtype
+
+    budget = available_bytes(torch.device(device))
+    plan = plan_memory(LlamaConfig.from_folder(folder), num_slots=slots, max_seq_len=max_seq_len,
+                       dtype=torch_dtype(dtype), max_batch_size=slots,
+                       budget_bytes=None if budget is None else int(budget * memory_fraction))
+    return {"slots": slots, "max_seq_len": max_seq_len, "weights_gib": round(plan.weights_bytes / 2**30, 3),
+            "kv_mib_per_slot": round(plan.kv_bytes_per_slot / 2**20, 2),
+            "workspace_gib": round(plan.workspace_bytes / 2**30, 3),
+            "budget_gib": None if plan.budget_bytes is None else round(plan.budget_bytes / 2**30, 2),
+            "max_slots": plan.max_slots, "fits": plan.fits, "describe": plan.describe()}
+
+
 def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, warmup: int, device: str,
-                dtype: str, prompt_len: int) -> dict[int, float]:
-    """Median seconds per decode step, per batch size."""
+                dtype: str, prompt_len: int, graphs: bool = True,
+                constrained_modes: tuple[bool, ...] = (True,)) -> dict[bool, dict[int, float]]:
+    """Median seconds per decode step, per constrained mode and batch size (one engine for all)."""
     max_batch = max(batches)
-    max_seq_len = prompt_len + 1 + warmup * len(batches) + rounds * steps * len(batches) + 8
+    per_mode_steps = warmup * len(batches) + rounds * steps * len(batches)
+    max_seq_len = prompt_len + 1 + per_mode_steps + 8
     engine = TorchEngine(folder, num_slots=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                         max_batch_size=max_batch)
+                         max_batch_size=max_batch, cuda_graphs=graphs)
+    results: dict[bool, dict[int, float]] = {}
+    try:
+        for constrained in constrained_modes:
+            results[constrained] = _bench_sessions(engine, batches=batches, steps=steps, rounds=rounds,
+                                                   warmup=warmup, prompt_len=prompt_len, constrained=constrained)
+    finally:
+        engine.close()
+    return results
+
+
+def _bench_sessions(engine: TorchEngine, *, batches: list[int], steps: int, rounds: int, warmup: int,
+                    prompt_len: int, constrained: bool) -> dict[int, float]:
+    max_batch = max(batches)
     gen = torch.Generator().manual_seed(0)
-    for slot in range(max_batch):
+    for slot in range(max_batch):  # a chunk with start == 0 (re)starts the slot's session
         text = torch.randint(0, 1000, (prompt_len - 6,), generator=gen).tolist()
         prompt = (P.START_OF_HUMAN, P.BOS, *text, *P.PROMPT_SUFFIX)
-        sampling = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, seed=slot)
-        engine.step(StepPlan(prefill=[PrefillChunk(slot, f"bench-{slot}", prompt, 0, len(prompt), sampling)]))
+        sampling = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, seed=slot,
+                                  constrained=constrained)
+        out = engine.step(StepPlan(prefill=[PrefillChunk(slot, f"bench-{slot}", prompt, 0, len(prompt), sampling)]))
+        assert not out.failed, out.failed
     for batch in batches:
         for _ in range(warmup):
             engine.step(StepPlan(decode=list(range(batch))))
@@ -70,7 +121,6 @@ def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, wa
                 out = engine.step(StepPlan(decode=plan_slots))
                 assert not out.failed, out.failed
             per_round[batch].append((time.perf_counter() - started) / steps)
-    engine.close()
     return {b: statistics.median(times) for b, times in per_round.items()}
 
 
@@ -84,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--contexts", default=None, help="prompt lengths to measure at, e.g. 256,1024 (default: --prompt-len)")
+    ap.add_argument("--graphs", type=_on_off, default=[True], help="CUDA graphs: on, off or on,off (default on)")
+    ap.add_argument("--constrained", type=_on_off, default=[True],
+                    help="frame-position constraint: on, off or on,off (default on)")
+    ap.add_argument("--json", default=None, help="also write the rows and memory plans to this JSON file")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -99,19 +154,44 @@ def main(argv: list[str] | None = None) -> int:
     folders = [ensure_model(Path(args.models_dir), p) for p in args.presets.split(",") if p]
     folders += [Path(m) for m in args.model]
 
+    contexts = [int(c) for c in args.contexts.split(",") if c] if args.contexts else [args.prompt_len]
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds x {args.steps} steps per batch size, median round")
-    print(f"{'model':<16} {'params':>8} {'batch':>5} {'step ms':>9} {'tokens/s':>10} {'x batch 1':>10}")
+    print(f"{'model':<16} {'params':>8} {'ctx':>5} {'graphs':>6} {'constr':>6} {'batch':>5} {'step ms':>9} "
+          f"{'tokens/s':>10} {'x batch 1':>10}")
+    rows: list[dict[str, object]] = []
+    plans: list[dict[str, object]] = []
     for folder in folders:
         params = LlamaConfig.from_folder(folder).num_parameters
-        step_s = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                             device=device, dtype=dtype, prompt_len=args.prompt_len)
-        base = 1 / step_s[1]
-        for batch in batches:
-            rate = batch / step_s[batch]
-            print(f"{folder.name:<16} {params / 1e6:>7.1f}M {batch:>5} {step_s[batch] * 1e3:>9.2f} "
-                  f"{rate:>10.1f} {rate / base:>10.2f}")
+        for context in contexts:
+            for graphs in args.graphs:
+                max_seq_len = context + 1 + (args.warmup + args.rounds * args.steps) * len(batches) + 8
+                plans.append({"model": folder.name, "context": context, "graphs": graphs,
+                              **memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device,
+                                            dtype=dtype)})
+                by_mode = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds,
+                                      warmup=args.warmup, device=device, dtype=dtype, prompt_len=context,
+                                      graphs=graphs, constrained_modes=tuple(args.constrained))
+                for constrained, step_s in by_mode.items():
+                    base = 1 / step_s[1]
+                    for batch in batches:
+                        rate = batch / step_s[batch]
+                        print(f"{folder.name:<16} {params / 1e6:>7.1f}M {context:>5} {_word(graphs):>6} "
+                              f"{_word(constrained):>6} {batch:>5} {step_s[batch] * 1e3:>9.2f} {rate:>10.1f} "
+                              f"{rate / base:>10.2f}", flush=True)
+                        rows.append({"model": folder.name, "params_m": round(params / 1e6, 1), "context": context,
+                                     "graphs": graphs and device.startswith("cuda"), "constrained": constrained,
+                                     "batch": batch, "step_ms": round(step_s[batch] * 1e3, 3),
+                                     "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2)})
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps,
+            "rounds": args.rounds, "warmup": args.warmup, "rows": rows, "memory_plans": plans}, indent=2))
     return 0
+
+
+def _word(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 if __name__ == "__main__":
