@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
@@ -218,3 +220,52 @@ def test_main_reports_config_errors_in_one_line(capsys: pytest.CaptureFixture[st
     assert main(["--config", "config/model_config.yaml", "--set", "scheduler.nope=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: config error: scheduler.nope") and err.count("\n") == 1
+
+
+# --------------------------------------------------------- the build call
+
+
+def test_build_runtime_claims_a_small_kv_cache_and_saves_before_shutdown(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """The LLM API starts a runtime after building; its KV cache must not take 90% of the GPU (issue: e)."""
+    import types
+
+    from orpheus_serve.engines.trtllm_build import BUILD_KV_CACHE_FRACTION, run_build
+
+    calls: list[tuple[str, Any]] = []
+
+    class Recorder:
+        def __init__(self, **kwargs: Any) -> None:
+            self.kwargs = kwargs
+
+    class FakeBuildLLM:
+        def __init__(self, **kwargs: Any) -> None:
+            calls.append(("init", kwargs))
+
+        def save(self, path: str) -> None:
+            calls.append(("save", path))
+
+        def shutdown(self) -> None:
+            calls.append(("shutdown", None))
+
+    engine_module = types.ModuleType("tensorrt_llm._tensorrt_engine")
+    engine_module.LLM = FakeBuildLLM
+    llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    for name in ("BuildConfig", "CalibConfig", "KvCacheConfig", "QuantConfig"):
+        setattr(llmapi, name, type(name, (Recorder,), {}))
+    llmapi.QuantAlgo = types.SimpleNamespace(FP8="FP8")
+    package = types.ModuleType("tensorrt_llm")
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", package)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm._tensorrt_engine", engine_module)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+
+    config = load_config(overrides=["scheduler.max_concurrent_sessions=32", "engine.max_seq_len=4096"])
+    settings = BuildSettings.from_config(config, model_dir=str(tmp_path / "m"), out_dir=str(tmp_path / "e" / "x"),
+                                         dtype="fp16")
+    run_build(settings, None, 0)
+
+    assert [c[0] for c in calls] == ["init", "save", "shutdown"]
+    kv = calls[0][1]["kv_cache_config"].kwargs
+    assert kv["free_gpu_memory_fraction"] == BUILD_KV_CACHE_FRACTION <= 0.1
+    assert kv["max_tokens"] == 4096  # one sequence, not slots x max_seq_len
+    assert calls[1][1] == str(tmp_path / "e" / "x")

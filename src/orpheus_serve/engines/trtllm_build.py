@@ -21,9 +21,13 @@ What a build does, in order:
 3. The build, with the LLM API's TensorRT backend (1.2.x names):
    `tensorrt_llm._tensorrt_engine.LLM(model=..., dtype=..., build_config=BuildConfig(
    max_batch_size, max_seq_len, max_num_tokens), quant_config=QuantConfig(quant_algo=
-   QuantAlgo.FP8), calib_config=CalibConfig(...))` then `llm.save(out)`. FP8 means
+   QuantAlgo.FP8), calib_config=CalibConfig(...), kv_cache_config=KvCacheConfig(
+   free_gpu_memory_fraction=0.05, max_tokens=max_seq_len))` then `llm.save(out)`. FP8 means
    FP8 weights and activations with a 16-bit (FP16) KV cache: no
-   `kv_cache_quant_algo` (DESIGN §6).
+   `kv_cache_quant_algo` (DESIGN §6). The LLM API starts a runtime on the
+   engine it has just built before `save` can run, and by default that runtime's
+   KV cache claims 90% of the free GPU memory; the build needs no cache, so it
+   gets one sequence's worth (`BUILD_KV_CACHE_FRACTION` caps it further).
 4. `manifest.json` next to the engine: TensorRT-LLM version, GPU name and
    compute capability, build parameters, model shapes, engine size, and the
    sha256 of every checkpoint file. The server reads it back (`trtllm_env`).
@@ -428,10 +432,15 @@ def probe_gpu() -> GpuInfo:
     )
 
 
+# Share of free GPU memory the runtime the LLM API starts after a build may take for its KV cache (the
+# 1.2.x default is 0.9). Nothing runs on it before `save`, so the least it accepts is plenty.
+BUILD_KV_CACHE_FRACTION = 0.05
+
+
 def run_build(settings: BuildSettings, calibration_dir: Path | None, calibration_prompts: int) -> None:
     """Quantise (FP8) or convert (16-bit), build and save the engine with TensorRT-LLM's LLM API."""
     from tensorrt_llm._tensorrt_engine import LLM
-    from tensorrt_llm.llmapi import BuildConfig, CalibConfig, QuantAlgo, QuantConfig
+    from tensorrt_llm.llmapi import BuildConfig, CalibConfig, KvCacheConfig, QuantAlgo, QuantConfig
 
     build_config = BuildConfig(
         max_batch_size=settings.max_batch_size,
@@ -454,6 +463,10 @@ def run_build(settings: BuildSettings, calibration_dir: Path | None, calibration
         dtype=ACTIVATION_DTYPE[settings.dtype],
         build_config=build_config,
         workspace=str(settings.workspace_dir),
+        # The constructor starts a runtime on the new engine: keep its KV cache to one sequence so the
+        # build does not hold most of the GPU (or fail next to a running server) just to save.
+        kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=BUILD_KV_CACHE_FRACTION,
+                                      max_tokens=settings.max_seq_len),
         **extra,
     )
     try:
