@@ -21,6 +21,14 @@ the 1.2.x sources do (llmapi/llm.py, executor/result.py, sampling_params.py):
   requests submitted with `apply_batched_logits_processor=True`, with the
   (req_ids, logits, token_ids, stream_ptr, client_ids) arguments of
   `BatchedLogitsProcessor`, token_ids including the prompt.
+- Errors (executor/executor.py, executor/proxy.py): a per-request failure is a
+  `RequestError` raised from that request's iteration. A fatal one (the worker
+  process or a background thread died) goes into `llm._executor._error_queue`
+  and is raised, after the executor shuts itself down, by the next submit
+  (`_handle_background_error`) or by a result that receives an error response;
+  a stream whose worker died otherwise never hears again. `generate_async`
+  raises RuntimeError("LLM is shutting down") once `_executor.is_shutdown()`.
+  `kill_executor()` does that to the fake.
 
 The runtime advances only when a test calls `iterate()`: one token for every
 running request, delivered to the request's loop thread like the real
@@ -30,6 +38,7 @@ executor's response thread does.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,8 +71,30 @@ class FakeSamplingParams:
             raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
 
 
-class FakeRequestError(RuntimeError):
-    """Stands in for tensorrt_llm.executor.RequestError (a per-request failure)."""
+class RequestError(RuntimeError):
+    """Same name as tensorrt_llm.executor.utils.RequestError (a per-request failure)."""
+
+
+class FakeRequestError(RequestError):
+    """A per-request failure raised by the fake runtime."""
+
+
+class FakeExecutor:
+    """`llm._executor` (GenerationExecutor, 1.2.x): `is_shutdown()` and the `_error_queue` of fatal errors."""
+
+    def __init__(self) -> None:
+        self.doing_shutdown = False
+        self._error_queue: queue.Queue[BaseException] = queue.Queue()
+
+    def is_shutdown(self) -> bool:
+        return self.doing_shutdown
+
+    def handle_background_error(self) -> None:
+        """`GenerationExecutor._handle_background_error`: raise the first fatal error, shut down first."""
+        if not self._error_queue.empty():
+            error = self._error_queue.get()
+            self.doing_shutdown = True
+            raise error
 
 
 @dataclass
@@ -161,11 +192,13 @@ class FakeLLM:
         self.processed_by_logits_processor: set[int] = set()
         self.iterations = 0
         self.shutdown_calls = 0
+        self.dead = False
         self._waiting: list[FakeRequestOutput] = []
         self._running: list[FakeRequestOutput] = []
         self._aborts: list[FakeRequestOutput] = []
         self._next_id = 1
         self._cond = threading.Condition()
+        self._executor = FakeExecutor()
 
     # ------------------------------------------------------------- API surface
 
@@ -176,6 +209,23 @@ class FakeLLM:
     def shutdown(self) -> None:
         with self._cond:
             self.shutdown_calls += 1
+            self._executor.doing_shutdown = True
+
+    def kill_executor(self, error: BaseException, *, tell_streams: bool = False) -> None:
+        """The worker process dies with `error`: nothing runs any more. The error waits in the executor's
+        error queue for the next submit; with `tell_streams`, every open stream also receives it as an
+        error response and raises it (and the executor shuts down), as the result thread does then."""
+        with self._cond:
+            self.dead = True
+            if tell_streams:
+                self._executor.doing_shutdown = True
+                for request in [*self._running, *self._waiting]:
+                    request.runtime_done = True
+                    request._push(error)
+                self._running.clear()
+                self._waiting.clear()
+            else:
+                self._executor._error_queue.put(error)
 
     # ------------------------------------------------------------ test control
 
@@ -205,6 +255,8 @@ class FakeLLM:
     def iterate(self) -> None:
         """One runtime iteration: settle aborts, admit from the queue, one token per running request."""
         with self._cond:
+            if self.dead:
+                return  # a dead worker produces nothing
             self.iterations += 1
             for request in self._aborts:
                 if not request.runtime_done:
@@ -230,8 +282,9 @@ class FakeLLM:
         prompt = list(inputs)
         params = params or FakeSamplingParams()
         with self._cond:
-            if self.shutdown_calls:
+            if self._executor.is_shutdown():
                 raise RuntimeError("LLM is shutting down")
+            self._executor.handle_background_error()  # submit() raises a pending fatal error
         if not streaming:
             raise ValueError("this fake only streams")
         if any(t in self.refuse_prompts_with for t in prompt):

@@ -7,6 +7,7 @@ logits processor in the loop, the bounded wait of step(), and close().
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -16,15 +17,25 @@ from datetime import datetime
 
 import pytest
 import torch
-from fake_tensorrt_llm import FakeLLM, FakeLLMWithPriority, FakeSamplingParams, scripted_audio_token
+from fake_tensorrt_llm import (
+    FakeExecutor,
+    FakeLLM,
+    FakeLLMWithPriority,
+    FakeRequestError,
+    FakeSamplingParams,
+    scripted_audio_token,
+)
 
 from orpheus_serve.config import load_config
 from orpheus_serve.engines.base import EngineError, PrefillChunk, SamplingParams, StepPlan, TokenEngine
 from orpheus_serve.engines.trtllm_build import BuildSettings, CheckpointDigest, GpuInfo, build_manifest, write_manifest
 from orpheus_serve.engines.trtllm_engine import (
+    ExecutorDeadError,
     FramePositionLogitsProcessor,
     TrtLlmEngine,
     TrtLlmEngineSettings,
+    executor_problem,
+    is_request_error,
     speech_start_index,
     trtllm_sampling_kwargs,
 )
@@ -345,14 +356,181 @@ def test_error_on_one_request_does_not_affect_others(engines) -> None:
     assert run_until(engine, fake, lambda c: 0 in c.finished).finished == {0: "stop"}
 
 
-def test_runtime_shut_down_fails_new_sessions_cleanly(engines) -> None:
+def test_runtime_shut_down_is_a_dead_engine(engines) -> None:
     fake = FakeLLM()
     engine = engines(fake)
     fake.shutdown()
+    for _ in range(2):  # every step from then on, with one message
+        with pytest.raises(ExecutorDeadError, match="executor has shut down"):
+            engine.step(StepPlan(prefill=[chunk(0, prompt(1000))]))
+    assert fake.submitted == []
+
+
+# ------------------------------------------------------------ dead executor
+
+
+def start_two(engine: TrtLlmEngine, fake: FakeLLM) -> Collected:
+    engine.step(StepPlan(prefill=[chunk(0, prompt(1000)), chunk(1, prompt(2000))]))
+    fake.wait_for_submissions(2)
+    return run_until(engine, fake, lambda c: all(len(c.tokens.get(s, [])) >= 2 for s in (0, 1)))
+
+
+def test_worker_death_reported_only_in_the_error_queue_is_detected(engines) -> None:
+    """The worker process died: its streams go silent; the error waits in the executor's queue."""
+    fake = FakeLLM(frames_per_request=20)
+    engine = engines(fake)
+    start_two(engine, fake)
+    fake.kill_executor(RuntimeError("Executor worker died: CUDA error: an illegal memory access"))
+    with pytest.raises(ExecutorDeadError, match="background error") as dead:
+        engine.step(StepPlan(decode=[0, 1]))
+    assert "restart" in str(dead.value)
+    with pytest.raises(ExecutorDeadError):  # and on every later step, releases included
+        engine.step(StepPlan(release=[0]))
+    assert not fake._executor._error_queue.empty()  # only looked at: the runtime's own handler raises it
+
+
+def test_background_error_raised_through_the_streams_is_the_executors(engines) -> None:
+    fake = FakeLLM(frames_per_request=20)
+    engine = engines(fake)
+    start_two(engine, fake)
+    fake.kill_executor(RuntimeError("proxy_dispatch_result_thread: ZMQ socket closed"), tell_streams=True)
+    fake._executor = FakeExecutor()  # so that only the streams can tell (the real one says it shut down too)
+    with pytest.raises(ExecutorDeadError, match="ZMQ socket closed"):
+        for _ in range(50):  # the pumps hear it on the loop thread; a step or two later at most
+            engine.step(StepPlan(decode=[0, 1]))
+
+
+def test_fatal_error_at_submit_is_the_executors(engines) -> None:
+    """The error lands between a step's check and the submit, which raises it with the executor shut down."""
+    fake = FakeLLM()
+    engine = engines(fake)
+
+    def dies_at_submit(*args: object, **kwargs: object) -> None:
+        fake._executor.doing_shutdown = True  # _handle_background_error shuts down, then raises
+        raise RuntimeError("MPI worker exited with code 134")
+
+    fake.generate_async = dies_at_submit
+    with pytest.raises(ExecutorDeadError, match="code 134"):
+        engine.step(StepPlan(prefill=[chunk(0, prompt(1000))]))
+        for _ in range(50):
+            engine.step(StepPlan())
+
+
+def test_a_refused_request_does_not_kill_the_executor(engines) -> None:
+    fake = FakeLLM()
+    fake.refuse_prompts_with.add(1000)
+    engine = engines(fake)
     c = Collected()
     c.add(engine.step(StepPlan(prefill=[chunk(0, prompt(1000))])))
     run_until(engine, fake, lambda c: 0 in c.failed, iterate=False, collected=c)
-    assert "shutting down" in c.failed[0]
+    assert "ValueError" in c.failed[0]
+    engine.step(StepPlan(prefill=[chunk(1, prompt(2000))]))  # and the next one is served
+    fake.wait_for_submissions(1)
+
+
+def test_a_runtime_that_stops_answering_is_declared_dead(engines) -> None:
+    fake = FakeLLM()
+    settings = TrtLlmEngineSettings(engine_dir="unused", num_slots=4, max_seq_len=4096, step_wait_s=0.05,
+                                    executor_stall_s=0.3)
+    engine = TrtLlmEngine(fake, settings=settings, make_sampling_params=FakeSamplingParams)
+    try:
+        engine.step(StepPlan(prefill=[chunk(0, prompt(1000))]))
+        fake.wait_for_submissions(1)
+        deadline = time.monotonic() + 5
+        with pytest.raises(ExecutorDeadError, match="no response from the runtime"):
+            while time.monotonic() < deadline:
+                engine.step(StepPlan(decode=[0]))  # the fake never iterates: not one token comes
+    finally:
+        engine.close()
+
+
+def test_an_idle_engine_is_not_a_stalled_one(engines) -> None:
+    fake = FakeLLM(frames_per_request=1)
+    settings = TrtLlmEngineSettings(engine_dir="unused", num_slots=4, max_seq_len=4096, step_wait_s=0.05,
+                                    executor_stall_s=0.2)
+    engine = TrtLlmEngine(fake, settings=settings, make_sampling_params=FakeSamplingParams)
+    try:
+        time.sleep(0.3)  # idle longer than the stall limit, then a request: its clock starts at its submit
+        engine.step(StepPlan(prefill=[chunk(0, prompt(1000))]))
+        fake.wait_for_submissions(1)
+        assert run_until(engine, fake, lambda c: 0 in c.finished).finished == {0: "stop"}
+    finally:
+        engine.close()
+
+
+def test_request_errors_are_told_from_executor_errors() -> None:
+    assert is_request_error(FakeRequestError("bad request"))
+    assert not is_request_error(RuntimeError("worker died"))
+    assert executor_problem(object()) is None  # not an LLM API object: nothing to read
+    fake = FakeLLM()
+    assert executor_problem(fake) is None
+    fake._executor._error_queue.put(RuntimeError("x"))
+    assert "background error" in (executor_problem(fake) or "")
+
+
+def test_dead_executor_fails_every_open_session_and_stops_admission() -> None:
+    """With the real engine core: one clear error for every open stream, the engine declared dead (so /ready
+    answers 503 engine_failed), and no new session admitted."""
+    from orpheus_serve.codec.sim import SimDecoder
+    from orpheus_serve.codec.worker import CodecWorker
+    from orpheus_serve.config import SchedulerConfig
+    from orpheus_serve.engine_core import EngineCore
+    from orpheus_serve.scheduler import Scheduler, SchedulerEvent, SessionFailed, SessionFinished
+    from orpheus_serve.scheduler.session import SessionRequest
+    from orpheus_serve.synthesis import ServiceUnavailableError
+
+    fake = FakeLLM(frames_per_request=200)
+    settings = TrtLlmEngineSettings(engine_dir="unused", num_slots=4, max_seq_len=4096, step_wait_s=0.02)
+    engine = TrtLlmEngine(fake, settings=settings, make_sampling_params=FakeSamplingParams)
+    scheduler = Scheduler(SchedulerConfig(max_concurrent_sessions=4, max_batch_size=4), 4, max_seq_len=4096)
+    errors: dict[str, str] = {}
+    tokens: dict[str, int] = {}
+    ended = threading.Event()
+
+    def on_event(event: SchedulerEvent) -> None:
+        if isinstance(event, SessionFailed):
+            errors[event.request_id] = event.error
+        elif isinstance(event, SessionFinished) and event.reason not in ("stop", "length"):
+            errors.setdefault(event.request_id, event.reason)
+        if len(errors) == 3:
+            ended.set()
+
+    codec = CodecWorker(SimDecoder(realtime=False), lambda result: None)
+    core = EngineCore(scheduler, engine, codec, on_event,
+                      on_frames=lambda e: tokens.__setitem__(e.request_id, tokens.get(e.request_id, 0) + 1))
+    stop = threading.Event()
+
+    def runtime() -> None:  # the runtime iterates on its own, like the executor's loop
+        while not stop.is_set():
+            fake.iterate()
+            time.sleep(0.005)
+
+    spinner = threading.Thread(target=runtime, daemon=True)
+    for i in range(3):
+        core.submit(SessionRequest(request_id=f"s{i}", prompt_ids=prompt(1000 * (i + 1)),
+                                   sampling=SamplingParams(max_tokens=1400), arrival_s=time.monotonic()))
+    codec.start()
+    core.start()
+    spinner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(tokens) == 3, "every session streamed frames before the failure"
+        fake.kill_executor(RuntimeError("Executor worker died: CUDA error: an illegal memory access"))
+        assert ended.wait(20), errors
+        assert set(errors) == {"s0", "s1", "s2"}
+        assert all("TensorRT-LLM executor failed" in e for e in errors.values()), errors
+        assert not core.engine_alive and "background error" in (core.engine_failure or "")
+        with pytest.raises(ServiceUnavailableError):
+            core.submit(SessionRequest(request_id="late", prompt_ids=prompt(5000), sampling=SamplingParams(),
+                                       arrival_s=time.monotonic()))
+    finally:
+        stop.set()
+        spinner.join()
+        core.stop()
+        codec.stop(5.0)
+        engine.close()
 
 
 # ------------------------------------------------------------------ priority
@@ -455,6 +633,61 @@ def test_processor_position_without_prompt_and_forgetting() -> None:
     for _ in range(6):
         processor([9], [torch.zeros(1, 1, VOCAB_SIZE)], [[list(prompt(1000))]], None, [None])
     assert 1 not in processor._speech_start and 9 in processor._speech_start
+
+
+def test_processor_builds_its_table_on_the_stream_it_reads_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's stream is non-blocking: a table built on the default stream could be read unfinished."""
+    streams: list[int | None] = []
+
+    @contextlib.contextmanager
+    def on_stream(logits: torch.Tensor, stream_ptr: int | None) -> Iterator[None]:
+        streams.append(stream_ptr)
+        try:
+            yield
+        finally:
+            streams.pop()
+
+    built_on: list[list[int | None]] = []
+    build = FramePositionLogitsProcessor.table
+
+    def recording_table(self: FramePositionLogitsProcessor, *args: object) -> torch.Tensor:
+        built_on.append(list(streams))
+        return build(self, *args)
+
+    monkeypatch.setattr(FramePositionLogitsProcessor, "_on_stream", staticmethod(on_stream))
+    monkeypatch.setattr(FramePositionLogitsProcessor, "table", recording_table)
+    processor = FramePositionLogitsProcessor()
+    logits = [torch.zeros(1, 1, VOCAB_SIZE)]
+    processor([1], logits, [[list(prompt(1000))]], 0xBEEF, [None])
+    assert built_on == [[0xBEEF]]  # built inside the executor's stream, not before switching to it
+    assert torch.isfinite(logits[0]).sum().item() == CODEBOOK_SIZE + 1
+
+
+@pytest.mark.gpu
+def test_processor_on_a_non_blocking_side_stream_masks_like_on_the_cpu() -> None:
+    """What TensorRT-LLM does: logits on CUDA, the executor's own non-blocking stream passed as stream_ptr,
+    the default stream busy with other work."""
+    requests = 16
+    histories = [[list(prompt(1000)) + [AUDIO_TOKEN_BASE] * n] for n in range(requests)]
+    generator = torch.Generator().manual_seed(0)
+    host = [torch.randn(1, 1, VOCAB_SIZE, generator=generator) for _ in range(requests)]
+    expected = [t.clone() for t in host]
+    FramePositionLogitsProcessor()(list(range(requests)), expected, histories, None, [None] * requests)
+
+    side = torch.cuda.Stream()  # non-blocking with respect to the default stream, like the executor's
+    device_logits = [t.cuda() for t in host]
+    side.wait_stream(torch.cuda.current_stream())  # the logits were written on the default stream
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        busy = busy @ busy  # default-stream work the side stream must not wait for, nor race with
+    processor = FramePositionLogitsProcessor()
+    for _ in range(3):  # the first call builds the table on the side stream, later ones reuse it
+        logits = [t.clone() for t in device_logits]
+        side.wait_stream(torch.cuda.current_stream())
+        processor(list(range(requests)), logits, histories, side.cuda_stream, [None] * requests)
+        side.synchronize()
+        for got, want in zip(logits, expected, strict=True):
+            assert torch.equal(got.cpu(), want)
 
 
 def test_processor_pickles_without_its_caches() -> None:

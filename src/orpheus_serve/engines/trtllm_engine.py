@@ -20,12 +20,27 @@ to the engine core thread through a `threading.Condition`. `step()` waits on
 that condition, bounded by `step_wait_s`, until at least one diff, finish or
 error is there (no sleep-polling), and never waits when nothing is live.
 
-Failures are per request: sampling parameters the engine cannot take
-(`engines.base.sampling_problem`, checked before anything is submitted), an
-exception from `generate_async` (e.g. a prompt too long) or from the stream (a
-per-request `RequestError`) becomes `StepOutput.failed[slot]`; the other
+Failures of one request stay with it: sampling parameters the engine cannot
+take (`engines.base.sampling_problem`, checked before anything is submitted), a
+`ValueError` from `generate_async` (e.g. a prompt too long) or a per-request
+`RequestError` from the stream becomes `StepOutput.failed[slot]`; the other
 requests go on. Slot numbers are checked before anything changes, so a step
-that raises leaves every request as it was. A request the runtime ends
+that raises leaves every request as it was.
+
+A dead executor is not a per-request failure. TensorRT-LLM 1.2 reports the
+death of its worker process or of its result thread as a "background error":
+the exception lands in the executor's `_error_queue` (the MPI future's done
+callback, `ManagedThread`), and is raised, with the executor shut down, the
+next time a result or a submit looks at it; a stream whose worker died may
+otherwise simply never answer again, and `generate_async` refuses with
+"LLM is shutting down" once `executor.is_shutdown()`. So the engine reads
+those two signals (plain attribute reads, no IPC) at every step, treats any
+exception from a stream that is not a `RequestError` as the executor's, and
+declares the executor dead when no request has heard anything for
+`executor_stall_s` while some are live. From then on every `step()` raises
+`ExecutorDeadError` with one message naming the cause: the engine core's
+dead-engine path (sessions failing alone with nothing succeeding) fails every
+open session with it, turns /ready to 503 `engine_failed` and stops admitting. A request the runtime ends
 itself (end_id, max_tokens, timeout) becomes `StepOutput.finished[slot]` with
 the LLM API's reason ('stop', 'length', 'timeout', 'cancelled'). When it stops
 on end_id and the runtime left end_of_speech out of the output, it is appended,
@@ -52,10 +67,11 @@ Frame-position constraint (DESIGN §3): `FramePositionLogitsProcessor`, a
 once per iteration for all constrained requests, on the host, with each
 request's logits and tokens; it adds a precomputed row of a [7, vocab] 0/-inf
 table (the allowed range of slot p % 7, plus end_of_speech on frame boundaries)
-to each request's logits on the executor's stream. Cost (estimated, not
-measured here): one host callback per iteration plus one vocab-wide add kernel
-per request, roughly 0.2-0.5 ms per iteration at 32 requests against ~10-15 ms
-for a 3B decode step. The batched form is used because it travels to the
+to each request's logits on the executor's stream. The table is built on that
+stream too (and each call waits on the event recorded after building it), so
+the executor's non-blocking stream never reads a table still being filled on
+another one. Cost: see docs/TENSORRT.md (measured by
+scripts/bench_logits_processor.py). The batched form is used because it travels to the
 executor worker once, at start-up; per-request processors are pickled into
 every request and must be on the IPC deserialisation allow-list
 (`executor/serialization.py`).
@@ -100,6 +116,7 @@ if TYPE_CHECKING:
     from ..config import Config
 
 __all__ = [
+    "ExecutorDeadError",
     "FramePositionLogitsProcessor",
     "TrtLlmEngine",
     "TrtLlmEngineSettings",
@@ -110,6 +127,41 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 120.0
+
+
+class ExecutorDeadError(EngineError):
+    """TensorRT-LLM's executor can serve nothing any more (its worker or result thread died, or it shut
+    down); every step raises this until the server is restarted."""
+
+
+def executor_problem(llm: Any) -> str | None:
+    """Why the LLM's executor can no longer serve, or None while it can (or the LLM does not say).
+
+    Reads what TensorRT-LLM 1.2's `GenerationExecutor` exposes: `is_shutdown()` (what
+    `LLM.generate_async` and `LLM._check_health` consult) and `_error_queue`, where the worker
+    process's done-callback and the background threads put the fatal errors that are otherwise
+    raised only at the next submit or result. Attribute reads only: safe from any thread.
+    """
+    executor = getattr(llm, "_executor", "absent")
+    if executor == "absent":
+        return None  # not an LLM API object (nothing to read)
+    if executor is None:
+        return "the executor has shut down"
+    is_shutdown = getattr(executor, "is_shutdown", None)
+    if callable(is_shutdown) and is_shutdown():
+        return "the executor has shut down"
+    errors = getattr(executor, "_error_queue", None)
+    if errors is not None and not errors.empty():
+        return "the executor reported a background error (its worker process or result thread failed)"
+    return None
+
+
+def is_request_error(exc: BaseException) -> bool:
+    """A per-request failure (TensorRT-LLM's `RequestError`), as opposed to the executor's.
+
+    Matched by class name along the MRO: the class moved between modules across releases
+    (`executor.utils`, re-exported by `executor`), and importing tensorrt_llm needs a CUDA driver."""
+    return any(cls.__name__ == "RequestError" for cls in type(exc).__mro__)
 
 
 # --------------------------------------------------------------- sampling
@@ -176,6 +228,7 @@ class FramePositionLogitsProcessor:
         self._last_seen: dict[int, int] = {}  # runtime request id -> call count when last seen
         self._calls = 0
         self._tables: dict[tuple[Any, Any, int], Any] = {}  # (device, dtype, vocab) -> [7, vocab] mask
+        self._built: dict[tuple[Any, Any, int], Any] = {}  # same key -> CUDA event recorded after the build
 
     def __getstate__(self) -> dict[str, Any]:
         return {}  # travels to the executor worker empty; tensors are rebuilt there on first use
@@ -193,6 +246,11 @@ class FramePositionLogitsProcessor:
         return len(token_ids) - start - 1
 
     def table(self, device: Any, dtype: Any, vocab_size: int) -> Any:
+        """The [7, vocab] 0/-inf table, built on first use on the current stream.
+
+        On CUDA the caller must make the stream that reads the table wait for it (`__call__`
+        does: it builds and reads on the executor's stream, and waits on the event recorded
+        after the build, which also covers a later call on another stream)."""
         key = (device, dtype, vocab_size)
         table = self._tables.get(key)
         if table is None:
@@ -203,8 +261,28 @@ class FramePositionLogitsProcessor:
                 lo = AUDIO_TOKEN_BASE + row * CODEBOOK_SIZE
                 table[row, lo : lo + CODEBOOK_SIZE] = 0.0
             table[0, END_OF_SPEECH] = 0.0  # the stream may end only on a frame boundary
+            if table.is_cuda:
+                built = torch.cuda.Event()
+                built.record()  # on the current stream: the one the table was filled on
+                self._built[key] = built
             self._tables[key] = table
         return table
+
+    def _wait_for_table(self, device: Any, dtype: Any, vocab_size: int) -> None:
+        built = self._built.get((device, dtype, vocab_size))
+        if built is not None:
+            import torch
+
+            torch.cuda.current_stream(device).wait_event(built)  # no-op cost once the build has run
+
+    @staticmethod
+    def _on_stream(logits: Any, stream_ptr: int | None) -> Any:
+        """The executor's stream as the current one (TensorRT backend), else nothing to switch."""
+        if logits.is_cuda and stream_ptr is not None:
+            import torch
+
+            return torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=logits.device))
+        return contextlib.nullcontext()
 
     def __call__(
         self,
@@ -216,17 +294,13 @@ class FramePositionLogitsProcessor:
     ) -> None:
         if not logits:
             return
-        import torch
-
         self._calls += 1
         first = logits[0]
-        table = self.table(first.device, first.dtype, first.shape[-1])
-        on_stream = (
-            torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr))
-            if first.is_cuda and stream_ptr is not None
-            else contextlib.nullcontext()
-        )
-        with on_stream:
+        # Everything on the executor's stream, the table's build included: the executor's stream is
+        # non-blocking, so it would not wait for a build queued on the default stream.
+        with self._on_stream(first, stream_ptr):
+            table = self.table(first.device, first.dtype, first.shape[-1])
+            self._wait_for_table(first.device, first.dtype, first.shape[-1])
             for req_id, req_logits, beams in zip(req_ids, logits, token_ids, strict=True):
                 req_logits += table[allowed_row(self.position(req_id, beams[0]))]
         if self._calls % self.forget_after_calls == 0:
@@ -246,6 +320,9 @@ class TrtLlmEngineSettings:
     max_seq_len: int
     kv_cache_free_gpu_memory_fraction: float = 0.85
     step_wait_s: float = 0.05  # longest a step waits for the first new diff
+    # Live requests and not one response from any of them for this long: the executor is stuck or
+    # its worker died without a word (a 3B decode iteration takes ~10 ms; a long prefill well under 1 s).
+    executor_stall_s: float = 60.0
 
 
 @dataclass(eq=False)
@@ -260,6 +337,7 @@ class _LiveRequest:
     cancel_requested: bool = False
     pending: list[int] = field(default_factory=list)
     last_token: int | None = None
+    last_heard: float = field(default_factory=time.monotonic)  # submitted, or last response
     finish_reason: str | None = None
     error: str | None = None
 
@@ -299,6 +377,7 @@ class TrtLlmEngine:
         self._cond = threading.Condition()
         self._live: dict[int, _LiveRequest] = {}
         self._closed = False
+        self._dead: str | None = None  # why the executor can serve nothing any more
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="trtllm-requests", daemon=True)
         self._loop_thread.start()
@@ -341,6 +420,7 @@ class TrtLlmEngine:
         started = time.perf_counter()
         if self._closed:
             raise EngineError("the TensorRT-LLM engine is closed")
+        self._check_executor()
         for slot in (*plan.release, *(c.slot for c in plan.prefill)):
             self._check_slot(slot)  # raises before anything changes
         for slot in plan.release:
@@ -351,6 +431,7 @@ class TrtLlmEngine:
         for chunk in starts:
             self._submit(chunk)
         out = self._collect()
+        self._check_executor()  # it may have died while this step waited
         out.elapsed_s = time.perf_counter() - started
         return out
 
@@ -383,6 +464,32 @@ class TrtLlmEngine:
             self._loop.close()
 
     # -------------------------------------------------------- engine core side
+
+    def _check_executor(self) -> None:
+        """Raise ExecutorDeadError once the executor is dead (see the module docstring)."""
+        if self._dead is None:
+            problem = executor_problem(self._llm)
+            if problem is None:
+                with self._cond:
+                    # The freshest sign of life of any live request (its submit, or its last response):
+                    # requests queued behind running ones are silent, the running ones are not.
+                    heard = max((r.last_heard for r in self._live.values()), default=None)
+                    live = len(self._live)
+                silent = 0.0 if heard is None else time.monotonic() - heard
+                if silent > self._settings.executor_stall_s:
+                    problem = f"no response from the runtime for {silent:.0f} s with {live} requests live"
+            if problem is not None:
+                self._declare_dead(problem)
+        if self._dead is not None:
+            raise ExecutorDeadError(f"TensorRT-LLM executor failed, the server needs a restart: {self._dead}")
+
+    def _declare_dead(self, reason: str) -> None:
+        with self._cond:
+            if self._dead is not None:
+                return
+            self._dead = reason
+            self._cond.notify_all()  # a step waiting for news has none to wait for
+        log.critical("TensorRT-LLM executor failed: %s", reason)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -423,7 +530,7 @@ class TrtLlmEngine:
         with self._cond:
             if self._live:
                 self._cond.wait_for(
-                    lambda: self._closed or any(r.has_news for r in self._live.values()),
+                    lambda: self._closed or self._dead is not None or any(r.has_news for r in self._live.values()),
                     timeout=self._settings.step_wait_s,
                 )
             for slot, live in list(self._live.items()):
@@ -449,7 +556,13 @@ class TrtLlmEngine:
             return
         try:
             handle = self._llm.generate_async(prompt_ids, sampling_params=params, streaming=True, **extra)
-        except Exception as exc:  # refused by the runtime (length, shutdown, ...): this session only
+        except Exception as exc:
+            # A request the runtime refuses (too long, bad values: ValueError) fails alone; anything else
+            # while the executor reports itself down (a background error raised at submit, "LLM is shutting
+            # down") is the executor's.
+            problem = None if isinstance(exc, ValueError | TypeError) else executor_problem(self._llm)
+            if problem is not None and not self._closed:
+                self._declare_dead(f"{problem}; {type(exc).__name__}: {exc}")
             self._fail(live, exc)
             return
         live.handle = handle
@@ -458,7 +571,11 @@ class TrtLlmEngine:
                 completion = output.outputs[0]
                 reason = (completion.finish_reason or "stop") if output.finished else None
                 self._deliver(live, list(completion.token_ids_diff), reason)
-        except Exception as exc:  # a per-request runtime error: this session only
+        except Exception as exc:
+            # RequestError is this request's; any other exception out of a stream is a background error
+            # (the executor raises those, after shutting itself down, through every result that looks).
+            if not is_request_error(exc) and not self._closed:
+                self._declare_dead(f"{type(exc).__name__}: {exc}")
             self._fail(live, exc)
             if not handle.finished:
                 handle.abort()
@@ -480,6 +597,7 @@ class TrtLlmEngine:
 
     def _deliver(self, live: _LiveRequest, diff: list[int], reason: str | None) -> None:
         with self._cond:
+            live.last_heard = time.monotonic()
             if self._live.get(live.slot) is not live:
                 return  # released meanwhile: nobody is waiting for these tokens
             if diff:
@@ -496,6 +614,7 @@ class TrtLlmEngine:
     def _fail(self, live: _LiveRequest, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         with self._cond:
+            live.last_heard = time.monotonic()
             if self._live.get(live.slot) is live:
                 live.error = message
                 self._cond.notify_all()
