@@ -134,3 +134,37 @@ def test_encoder_rejects_misuse() -> None:
     with pytest.raises(RuntimeError):
         encoder.encode(b"\x00\x00")
     assert encoder.flush() == b""
+
+
+def test_without_pyav_pcm_and_wav_still_stream_and_the_rest_is_refused_clearly() -> None:
+    """A machine without PyAV (a bare GPU box given only the wheels that fit) serves pcm and wav."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["av"] = None  # import av -> ImportError, as when it is not installed
+        from orpheus_serve import audio
+        assert audio.av is None
+        pcm = (b"\\x01\\x00" * 2048)
+        wav = audio.AudioStreamEncoder("wav")
+        out = wav.encode(pcm) + wav.encode(pcm) + wav.flush()
+        assert out[:4] == b"RIFF" and len(out) == audio.WAV_HEADER_BYTES + 2 * len(pcm)
+        raw = audio.AudioStreamEncoder("pcm")
+        assert raw.encode(pcm) + raw.flush() == pcm
+        for fmt, kwargs, param in (("mp3", {}, "response_format"), ("wav", {"speed": 1.5}, "speed"),
+                                   ("pcm", {"sample_rate": 16000}, "sample_rate")):
+            try:
+                audio.AudioStreamEncoder(fmt, **kwargs)
+            except audio.AudioOptionError as exc:
+                assert exc.param == param and "PyAV" in str(exc), (fmt, exc)
+            else:
+                raise AssertionError(fmt)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(root / "src"), "PATH": ""})
+    assert proc.stdout.strip() == "ok", proc.stderr

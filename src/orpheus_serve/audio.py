@@ -28,9 +28,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal, get_args
 
-import av
-import av.filter
 import numpy as np
+
+try:
+    import av
+    import av.filter
+except ImportError:  # PyAV is optional: without it, pcm and wav at the model's rate and normal speed only
+    av = None
 
 from .protocol import SAMPLE_RATE
 
@@ -107,6 +111,15 @@ def check_output_options(fmt: str, *, sample_rate: int = SAMPLE_RATE, speed: flo
     if spec is not None and spec.sample_rates is not None and sample_rate not in spec.sample_rates:
         rates = ", ".join(str(r) for r in spec.sample_rates)
         raise AudioOptionError(f"{fmt} supports sample rates {rates}; got {sample_rate}", "sample_rate")
+    if av is None and not _raw_output(fmt, sample_rate, SAMPLE_RATE, speed):
+        param = "response_format" if fmt not in ("pcm", "wav") else ("speed" if speed != 1.0 else "sample_rate")
+        raise AudioOptionError(f"this server has no PyAV: only pcm and wav at {SAMPLE_RATE} Hz and speed 1.0 "
+                               f"can be served (asked: {fmt} at {sample_rate} Hz, speed {speed})", param)
+
+
+def _raw_output(fmt: str, out_rate: int, input_rate: int, speed: float) -> bool:
+    """The PCM goes out as it came (after a WAV header): no encoder, resampler or tempo filter."""
+    return fmt in ("pcm", "wav") and out_rate == input_rate and speed == 1.0
 
 
 def wav_header(sample_rate: int, *, num_samples: int | None = None, channels: int = 1) -> bytes:
@@ -269,7 +282,8 @@ class AudioStreamEncoder:
         self.samples_in = 0
         self.bytes_out = 0
         self._tempo = _Tempo(input_rate, speed) if speed != 1.0 else None
-        self._to_output = av.AudioResampler(format="s16", layout="mono", rate=out_rate)
+        raw = _raw_output(fmt, out_rate, input_rate, speed)
+        self._to_output = None if raw else av.AudioResampler(format="s16", layout="mono", rate=out_rate)
         self._stage: _Stage
         if fmt == "pcm":
             self._stage = _RawStage()
@@ -279,7 +293,7 @@ class AudioStreamEncoder:
             self._stage = _ContainerStage(_CODECS[fmt], out_rate)
         self._finished = False
         # PCM or WAV at the input rate and speed: the bytes go out as they came (after the header).
-        self._raw_copy = isinstance(self._stage, _RawStage) and out_rate == input_rate and self._tempo is None
+        self._raw_copy = raw
 
     def _through(self, frame: av.AudioFrame | None) -> list[av.AudioFrame]:
         """Tempo, then conversion to s16 mono at the output rate; `None` drains both."""
@@ -317,6 +331,10 @@ class AudioStreamEncoder:
         if self._finished:
             return b""
         self._finished = True
+        if self._raw_copy:
+            out = self._stage.finish()  # the header, if no chunk carried it yet
+            self.bytes_out += len(out)
+            return out
         out = self._stage.frames(self._through(None)) + self._stage.finish()
         self.bytes_out += len(out)
         return out
