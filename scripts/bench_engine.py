@@ -183,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "graphs": graphs and device.startswith("cuda"), "constrained": constrained,
                                      "batch": batch, "step_ms": round(step_s[batch] * 1e3, 3),
                                      "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2)})
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps,
-            "rounds": args.rounds, "warmup": args.warmup, "rows": rows, "memory_plans": plans}, indent=2))
+                if args.json:  # after every configuration: a run stopped part-way keeps what it measured
+                    Path(args.json).write_text(json.dumps({
+                        "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps,
+                        "rounds": args.rounds, "warmup": args.warmup, "rows": rows, "memory_plans": plans},
+                        indent=2))
     return 0
 
 

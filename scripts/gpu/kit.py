@@ -107,11 +107,27 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+# A GPU box gives one command ten minutes: a stage's subprocess gets what is left of this budget, so
+# that a slow run still ends with its JSON and table written (marked as cut short).
+STAGE_BUDGET_S = float(os.environ.get("KIT_STAGE_BUDGET_S", "560"))
+_STAGE_STARTED = time.monotonic()
+
+
+def budget_left(reserve_s: float = 20.0) -> float:
+    return max(30.0, STAGE_BUDGET_S - (time.monotonic() - _STAGE_STARTED) - reserve_s)
+
+
 def run(cmd: list[str], *, timeout_s: float, log: Path | None = None, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:
     print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, **(env or {})})
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=min(timeout_s, budget_left()),
+                              env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as exc:
+        def text(out: str | bytes | None) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+        proc = subprocess.CompletedProcess(cmd, 124, text(exc.stdout), text(exc.stderr) + "\n(cut short: stage budget)")
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout + proc.stderr)
@@ -248,8 +264,10 @@ def stage_engine(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, A
            "--batches", ",".join(map(str, shapes.batches)), "--contexts", ",".join(map(str, shapes.contexts)),
            "--graphs", "on,off", "--constrained", "on,off", "--steps", str(shapes.steps),
            "--rounds", str(shapes.rounds), "--warmup", str(shapes.warmup), "--json", str(raw)]
+    raw.unlink(missing_ok=True)  # never report an earlier run's rows
     proc = run(cmd, timeout_s=540, log=work / "engine-bench.log")
-    bench = json.loads(raw.read_text()) if proc.returncode == 0 and raw.exists() else {"rows": [], "memory_plans": []}
+    # bench_engine.py rewrites its JSON after every configuration: a run cut short keeps what it measured.
+    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": []}
     from scripts.bench_engine import memory_plan
 
     plans = [memory_plan(llama, slots=max(shapes.batches), max_seq_len=n, device=shapes.device, dtype=shapes.dtype)
@@ -265,7 +283,9 @@ def stage_engine(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, A
     table += "\n\nMemory plan (engine planner, 90% of free memory):\n\n" + markdown_table(
         ["max_seq_len", "weights GiB", "KV MiB / slot", "budget GiB", "slots that fit"], plan_rows)
     if proc.returncode != 0:
-        table += f"\n\nbench_engine.py failed (exit {proc.returncode}); see engine.json"
+        cut = " (cut short by the stage's time budget: the rows above are what it measured)" if (
+            proc.returncode == 124) else ""
+        table += f"\n\nbench_engine.py failed (exit {proc.returncode}){cut}; see engine.json"
     return data, table
 
 
@@ -444,6 +464,7 @@ def stage_serve(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, An
         cmd += ["--requests", str(shapes.serve_requests)]
     for item in overrides:
         cmd += ["--set", item]
+    raw.unlink(missing_ok=True)
     with GpuSampler() as sampler:
         proc = run(cmd, timeout_s=560, log=out_dir / "benchmark.log")
     results = json.loads(raw.read_text()) if raw.exists() else {}
