@@ -33,12 +33,13 @@ from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.config import SchedulerConfig, SimConfig
 from orpheus_serve.engine_core import EngineCore
 from orpheus_serve.engines import sim_engine
-from orpheus_serve.engines.base import SamplingParams, StepOutput, StepPlan, TokenEngine
+from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
 from orpheus_serve.service import ModelInfo, TTSService, load_tokenizer
+from orpheus_serve.step import SamplingParams, StepOutput, StepPlan
 from tests.gateway_support import check_openai_error, sim_config, stats
 
 SLOTS = 6

@@ -19,7 +19,7 @@ import torch
 from fake_tensorrt_llm import FakeLLM, FakeLLMWithPriority, FakeSamplingParams, scripted_audio_token
 
 from orpheus_serve.config import load_config
-from orpheus_serve.engines.base import EngineError, PrefillChunk, SamplingParams, StepPlan, TokenEngine
+from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.trtllm_build import BuildSettings, CheckpointDigest, GpuInfo, build_manifest, write_manifest
 from orpheus_serve.engines.trtllm_engine import (
     FramePositionLogitsProcessor,
@@ -40,6 +40,7 @@ from orpheus_serve.protocol import (
     VOCAB_SIZE,
     FrameParser,
 )
+from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 STEP_WAIT_S = 0.2
 

@@ -48,8 +48,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .codec.base import CodecPush
-from .engines.base import PrefillChunk, StepOutput, StepPlan, TokenEngine
+from .engines.base import TokenEngine
 from .scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
+from .step import PrefillChunk, StepOutput, StepPlan
 from .synthesis import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class EngineCore:
         return self.engine_failure is None
 
     def submit(self, req: SessionRequest) -> None:
-        """Queue a session; raises QueueFullError at once when the queue is full, and
+        """Queue a session; raises the scheduler's SchedulerFullError at once when the queue is full, and
         ServiceUnavailableError once the engine is dead."""
         if self.engine_failure is not None:
             raise ServiceUnavailableError(f"the engine has failed and the server needs a restart: {self.engine_failure}")

@@ -45,8 +45,18 @@ from . import protocol
 from .codec.base import CodecResult, StreamingDecoder
 from .config import Config
 from .engine_core import EngineCore
-from .engines.base import SEED_MAX, SamplingParams, TokenEngine
-from .scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished, SessionRequest
+from .engines.base import TokenEngine
+from .scheduler import (
+    AdmissionError,
+    FramesReady,
+    Scheduler,
+    SchedulerEvent,
+    SchedulerFullError,
+    SessionFailed,
+    SessionFinished,
+    SessionRequest,
+)
+from .step import SEED_MAX, SamplingParams
 from .synthesis import (
     AudioChunk,
     EngineFailureError,
@@ -436,9 +446,11 @@ class TTSService:
                                           "finish_reason": None}
         try:
             self._core.submit(session)
-        except QueueFullError:
+        except AdmissionError as exc:
             self._channels.pop(session_id, None)
-            raise
+            if isinstance(exc, SchedulerFullError):
+                raise QueueFullError(str(exc), retry_after_s=exc.retry_after_s) from None
+            raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
         return session_id
 
     @staticmethod

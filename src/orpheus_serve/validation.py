@@ -43,7 +43,7 @@ from pydantic import BaseModel
 
 from . import protocol
 from .config import Config, SamplingConfig
-from .engines.base import SEED_MAX
+from .step import SEED_MAX
 from .synthesis import InvalidRequestError, SynthesisRequest
 from .text import has_speech, normalize_text, split_text
 

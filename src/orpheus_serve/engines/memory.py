@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from orpheus_serve.engines.base import EngineError
 from orpheus_serve.engines.llama import LlamaConfig
+from orpheus_serve.step import EngineError
 
 GiB = 1 << 30
 MiB = 1 << 20

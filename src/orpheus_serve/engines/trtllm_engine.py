@@ -21,7 +21,7 @@ that condition, bounded by `step_wait_s`, until at least one diff, finish or
 error is there (no sleep-polling), and never waits when nothing is live.
 
 Failures are per request: sampling parameters the engine cannot take
-(`engines.base.sampling_problem`, checked before anything is submitted), an
+(`step.sampling_problem`, checked before anything is submitted), an
 exception from `generate_async` (e.g. a prompt too long) or from the stream (a
 per-request `RequestError`) becomes `StepOutput.failed[slot]`; the other
 requests go on. Slot numbers are checked before anything changes, so a step
@@ -92,7 +92,8 @@ from ..protocol import (
     TOKENS_PER_FRAME,
     VOCAB_SIZE,
 )
-from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from .base import MemoryReport
 from .trtllm_env import MANIFEST_NAME, check_tensorrt_available, engine_mismatch, read_manifest
 from .vram_budget import ORPHEUS_3B, LlamaDims, kv_bytes_per_slot
 

@@ -8,6 +8,7 @@ caller acts on), `simulate.py` (virtual-clock policy comparison on the sim
 engine).
 """
 
+from .errors import AdmissionError, InvalidSessionError, SchedulerFullError
 from .events import FINISH_REASONS, FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
@@ -18,6 +19,7 @@ from .slots import SlotAllocator
 
 __all__ = [
     "FINISH_REASONS",
+    "AdmissionError",
     "DeadlinePolicy",
     "FairPolicy",
     "FlowControl",
@@ -25,8 +27,10 @@ __all__ = [
     "FlushPolicy",
     "FrameBuffer",
     "FramesReady",
+    "InvalidSessionError",
     "Scheduler",
     "SchedulerEvent",
+    "SchedulerFullError",
     "SchedulerStats",
     "SchedulingPolicy",
     "Session",

@@ -24,7 +24,7 @@ slot, as engines with in-flight batching produce them.
 
 Timeouts: a session waiting for a slot longer than `queue_timeout_s` (from
 its arrival) or holding one longer than `session_timeout_s` (from its
-admission) ends with "timeout". `submit()` refuses at once (QueueFullError,
+admission) ends with "timeout". `submit()` refuses at once (SchedulerFullError,
 with a retry hint) when every slot is taken and `max_queue` requests wait.
 
 Flow control (DESIGN §5a, `flow.py`): decoding sessions too far ahead of
@@ -59,10 +59,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..engines.base import PrefillChunk, StepOutput, StepPlan
 from ..protocol import FRAME_SECONDS, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
-from ..synthesis import InvalidRequestError, QueueFullError
+from ..step import PrefillChunk, StepOutput, StepPlan
 from .capacity import CapacityModel
+from .errors import InvalidSessionError, SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
@@ -95,7 +95,7 @@ class SchedulerStats:
     cancelled: int
     failed: int
     timed_out: int
-    rejected: int  # QueueFullError at submit
+    rejected: int  # SchedulerFullError at submit
     stray_tokens: int  # ids that arrived for a slot with no live session (dropped)
 
     def as_dict(self) -> dict[str, int | float | str]:
@@ -170,18 +170,18 @@ class Scheduler:
         return self._flow.capacity
 
     def submit(self, req: SessionRequest) -> None:
-        """Queue a session. QueueFullError at once when every slot is taken and
-        `max_queue` requests already wait; InvalidRequestError for a request that
+        """Queue a session. SchedulerFullError at once when every slot is taken and
+        `max_queue` requests already wait; InvalidSessionError for a request that
         can never run (empty prompt, prompt too long, request id in use)."""
         if not req.prompt_ids:
-            raise InvalidRequestError("empty prompt", param="prompt_ids")
+            raise InvalidSessionError("empty prompt", param="prompt_ids")
         if req.sampling.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+            raise InvalidSessionError("max_tokens must be >= 1", param="max_tokens")
         token_limit = req.sampling.max_tokens
         if self._max_seq_len is not None:
             room = self._max_seq_len - len(req.prompt_ids)
             if room < 7:
-                raise InvalidRequestError(
+                raise InvalidSessionError(
                     f"prompt of {len(req.prompt_ids)} tokens leaves no room for audio within "
                     f"max_seq_len={self._max_seq_len}",
                     param="input",
@@ -190,7 +190,7 @@ class Scheduler:
             token_limit = min(token_limit, room - room % TOKENS_PER_FRAME)
         with self._lock:
             if req.request_id in self._waiting or req.request_id in self._admitted:
-                raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+                raise InvalidSessionError(f"request id {req.request_id!r} is already in use", param="request_id")
             continuation = req.playback_start_s is not None  # part of a stream already playing: never refused
             if self._config.admission == "reject" and not continuation:
                 # Behind a load balancer: past the measured capacity, refuse at once so the client goes
@@ -199,7 +199,7 @@ class Scheduler:
                 if capacity is not None and self._flow.demand(self._admitted.values()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
                     retry = self._retry_after_s(len(self._waiting))
-                    raise QueueFullError(
+                    raise SchedulerFullError(
                         f"server at capacity: {capacity} real-time streams are running (scheduler.admission="
                         f"reject); retry in {retry:.1f} s",
                         retry_after_s=retry,
@@ -214,7 +214,7 @@ class Scheduler:
             if queued >= self._config.max_queue and not continuation:
                 self._counts["rejected"] += 1
                 retry = self._retry_after_s(queued)
-                raise QueueFullError(
+                raise SchedulerFullError(
                     f"server busy: {self._busy_reason(limit)} and {max(queued, 0)} requests are already waiting "
                     f"(max_queue={self._config.max_queue}); retry in {retry:.1f} s",
                     retry_after_s=retry,

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SchedulerConfig, SimConfig
-from ..engines.base import SamplingParams
 from ..engines.sim_engine import SimEngine
 from ..protocol import FRAME_SECONDS, TEXT_VOCAB_SIZE, TOKENS_PER_FRAME
-from ..synthesis import QueueFullError
+from ..step import SamplingParams
+from .errors import SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFinished
 from .flush import FlushPolicy
 from .scheduler import Scheduler
@@ -211,7 +211,7 @@ def simulate(setup: SimulationSetup, workload: Workload) -> SimulationResult:
             next_arrival += 1
             try:
                 scheduler.submit(req)
-            except QueueFullError:
+            except SchedulerFullError:
                 result.rejected += 1
                 continue
             streams[req.request_id] = StreamResult(req.request_id, req.arrival_s)
