@@ -24,10 +24,8 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from orpheus_serve import protocol as P
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
-from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.api.server import ServerThread
+from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.config import SchedulerConfig, SimConfig
@@ -36,6 +34,8 @@ from orpheus_serve.engines import sim_engine
 from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
 from orpheus_serve.service import ModelInfo, TTSService, load_tokenizer

@@ -23,13 +23,13 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..proto import orpheus_pb2 as pb
+from ..proto import orpheus_pb2_grpc as pb_grpc
 from ..protocol import SAMPLE_RATE
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
 from ..validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
 from .gateway import Gateway, OutputOptions, voice_list
-from .proto import orpheus_pb2 as pb
-from .proto import orpheus_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

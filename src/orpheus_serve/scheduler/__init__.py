@@ -1,11 +1,12 @@
-"""Session scheduling over KV-cache slots (pure Python; no torch, no engine imports).
+"""Session scheduling over KV-cache slots (pure Python: no torch, and no engine, codec or api imports;
+the step types it plans come from `orpheus_serve.step`).
 
 See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
 (slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to
 the codec), `flow.py` (backpressure, admission, first push sizing),
 `capacity.py` (the running measure admission uses), `events.py` (what the
-caller acts on), `simulate.py` (virtual-clock policy comparison on the sim
-engine).
+caller acts on), `errors.py` (why `submit()` refuses a session).
+`benchmarking/simulate.py` runs it on a virtual clock against the sim engine.
 """
 
 from .errors import AdmissionError, InvalidSessionError, SchedulerFullError

@@ -27,10 +27,10 @@ import websockets
 from websockets.asyncio.client import connect as ws_connect
 
 from ..audio import AUDIO_FORMATS, decode_audio, wav_header
-from ..benchmarking.streams import StreamRecord
+from ..proto import orpheus_pb2 as pb
+from ..proto import orpheus_pb2_grpc as pb_grpc
 from ..protocol import SAMPLE_RATE
-from .proto import orpheus_pb2 as pb
-from .proto import orpheus_pb2_grpc as pb_grpc
+from .records import StreamRecord
 
 PROTOCOLS = ("rest", "ws", "grpc")
 DEFAULT_URL = "http://127.0.0.1:8000"
