@@ -1,10 +1,27 @@
-"""What every protocol handler shares: admission, API keys, and one audio stream in flight.
+"""What every protocol handler shares: the one admission path, API keys, and one audio stream in flight.
 
 `Gateway` is built once per server and handed to the HTTP app, the WebSocket
 route and the gRPC servicer, so the connection limit, the counters and the
-metrics registry cover all three protocols. Handlers stay thin: they convert
-their wire types into a `SynthesisRequest` plus `OutputOptions`, call
-`Gateway.open_stream`, and frame the bytes `SpeechStream.audio()` yields.
+metrics registry cover all three protocols.
+
+The admission path, the same for every protocol (`Gateway.admit`):
+
+    build()            the adapter's wire conversion: wire message -> SynthesisRequest + OutputOptions
+    prepare()          output options checked, the request validated once (TTSService.validate)
+    lease              one of server.max_connections (WebSocket: held by the connection instead)
+    readiness          warming up, shutting down or a dead engine: ServiceUnavailableError
+    open_stream()      synthesis started; its first item awaited, so admission errors (queue full,
+                       timeout) surface before any byte is sent
+    stream.audio()     the adapter frames these bytes for its wire
+    stream.close()     the session cancelled if still running, the lease freed, the outcome counted
+
+Every refusal on the way is counted under its error code before it is raised,
+and every stream that opened is counted when it closes, so an adapter records
+nothing itself; it only converts its wire types and maps `SynthesisError`s to
+its own convention (errors.py). Errors raised before an adapter runs (an API
+key checked by middleware, a body FastAPI cannot parse) are counted with
+`Gateway.refused`. A new protocol is one more adapter module calling `admit`,
+plus its route or service registration in server.py.
 """
 
 from __future__ import annotations
@@ -191,8 +208,33 @@ class Gateway:
             return "warming_up"
         return "saturated" if self.service.saturation() is not None else "ready"
 
-    def acquire_connection(self) -> ConnectionLease:
-        return self.limiter.acquire()
+    def acquire_connection(self, protocol: ProtocolName) -> ConnectionLease:
+        """One of server.max_connections, for a connection that carries many requests (a WebSocket)."""
+        try:
+            return self.limiter.acquire()
+        except TooManyConnectionsError as exc:
+            self.refused(protocol, exc)
+            raise
+
+    async def admit(self, protocol: ProtocolName, build: Callable[[], tuple[SynthesisRequest, OutputOptions]], *,
+                    received_at: float, hold_connection: bool = True,
+                    disconnected: Callable[[], Awaitable[object]] | None = None) -> SpeechStream | None:
+        """The admission path of every protocol (see the module docstring): a started stream, or None if
+        `disconnected()` returned first (the client left while queued; nothing is owed to it).
+
+        Raises SynthesisError, already counted, for anything refused. `build` is the adapter's wire
+        conversion and raises InvalidRequestError for a message it cannot convert. `hold_connection`:
+        the stream holds one of server.max_connections (False where the connection already holds one)."""
+        lease: ConnectionLease | None = None
+        try:
+            request, output = self.prepare(*build())
+            if hold_connection:
+                lease = self.limiter.acquire()
+        except SynthesisError as exc:
+            self.refused(protocol, exc)
+            raise
+        return await self.open_stream(request, output, protocol, received_at=received_at, lease=lease,
+                                      disconnected=disconnected)
 
     def reset_connection(self, client: Any) -> bool:
         """Drop the HTTP/WebSocket connection of a client that stopped reading, buffers and all.
@@ -238,7 +280,7 @@ class Gateway:
 
     def stream_closed(self, protocol: str, status: str) -> None:
         self._active[protocol] -= 1
-        self.record(protocol, status)
+        self._record(protocol, status)
         if not any(self._active.values()):
             self._idle.set()
 
@@ -250,8 +292,15 @@ class Gateway:
             return False
         return True
 
-    def record(self, protocol: str, status: str) -> None:
-        """Count one request outcome (also the ones refused before a stream opened)."""
+    def refused(self, protocol: str, error: SynthesisError) -> None:
+        """Count a request refused before a stream opened (streams count themselves when they close)."""
+        self._record(protocol, error.code)
+
+    def abandoned(self, protocol: str) -> None:
+        """Count a request a connection accepted but never started (it closed first): cancelled."""
+        self._record(protocol, "cancelled")
+
+    def _record(self, protocol: str, status: str) -> None:
         self._outcomes[(protocol, status)] += 1
         self.metrics.request_done(protocol, status)
 
