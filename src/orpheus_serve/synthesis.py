@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from .protocol import SAMPLE_RATE
+
+# The wire protocols a request can arrive over; every table of protocols derives from this one.
+ProtocolName = Literal["rest", "ws", "grpc"]
+PROTOCOLS: tuple[ProtocolName, ...] = get_args(ProtocolName)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,9 +43,11 @@ from ..config import Config
 from ..metrics import ServingMetrics
 from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from ..synthesis import (
+    PROTOCOLS,
     AudioChunk,
     ClientStalledError,
     InvalidRequestError,
+    ProtocolName,
     ServiceUnavailableError,
     SynthesisError,
     SynthesisMetrics,
@@ -58,8 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ProtocolName = Literal["rest", "ws", "grpc"]
-PROTOCOLS: tuple[ProtocolName, ...] = ("rest", "ws", "grpc")
 
 
 class SpeechService(Protocol):

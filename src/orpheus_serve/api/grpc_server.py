@@ -23,6 +23,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..proto import AUDIO_FORMAT_NAMES
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
 from ..protocol import SAMPLE_RATE
@@ -36,15 +37,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "orpheus.v1.Synthesizer"
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 
-FORMATS: dict[int, str] = {
-    pb.AUDIO_FORMAT_UNSPECIFIED: "pcm",
-    pb.AUDIO_FORMAT_PCM: "pcm",
-    pb.AUDIO_FORMAT_WAV: "wav",
-    pb.AUDIO_FORMAT_MP3: "mp3",
-    pb.AUDIO_FORMAT_OPUS: "opus",
-    pb.AUDIO_FORMAT_AAC: "aac",
-    pb.AUDIO_FORMAT_FLAC: "flac",
-}
 
 
 class UndecodableRequest:
@@ -103,7 +95,7 @@ def request_from_proto(request: pb.SynthesizeRequest | UndecodableRequest) -> tu
         for name in ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed"):
             if request.sampling.HasField(name):
                 sampling[name] = getattr(request.sampling, name)
-    fmt = FORMATS.get(request.format)
+    fmt = AUDIO_FORMAT_NAMES.get(request.format)
     if fmt is None:
         raise InvalidRequestError(f"unknown AudioFormat value {request.format}", param="format")
     fields: dict[str, Any] = {"text": request.text, **sampling}

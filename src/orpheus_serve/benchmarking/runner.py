@@ -34,9 +34,8 @@ import httpx
 from ..client.records import summarize
 from ..config import SimConfig
 from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
+from ..synthesis import PROTOCOLS
 from .workload import make_workload
-
-PROTOCOLS = ("rest", "ws", "grpc")
 
 
 @dataclass
