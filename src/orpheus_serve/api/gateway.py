@@ -7,11 +7,12 @@ metrics registry cover all three protocols.
 The admission path, the same for every protocol (`Gateway.admit`):
 
     build()            the adapter's wire conversion: wire message -> SynthesisRequest + OutputOptions
-    prepare()          output options checked, the request validated once (TTSService.validate)
+    check_output()     the output options (format, rate, speed) checked
     lease              one of server.max_connections (WebSocket: held by the connection instead)
     readiness          warming up, shutting down or a dead engine: ServiceUnavailableError
-    open_stream()      synthesis started; its first item awaited, so admission errors (queue full,
-                       timeout) surface before any byte is sent
+    open_stream()      synthesis started and its first item awaited, so refusals surface before any
+                       byte is sent: the request validated (once, by the service: validation.py),
+                       the queue full, a timeout while queued
     stream.audio()     the adapter frames these bytes for its wire
     stream.close()     the session cancelled if still running, the lease freed, the outcome counted
 
@@ -71,7 +72,6 @@ class SpeechService(Protocol):
     engine_alive: bool
 
     def saturation(self) -> str | None: ...
-    def validate(self, req: SynthesisRequest) -> SynthesisRequest: ...
     def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
     def stats(self) -> dict: ...
     def add_observer(self, observer: Any) -> None: ...
@@ -188,13 +188,14 @@ class Gateway:
         if not matched:
             raise UnauthorizedError("incorrect API key provided")
 
-    def prepare(self, request: SynthesisRequest, output: OutputOptions) -> tuple[SynthesisRequest, OutputOptions]:
-        """Validate both halves of a request; InvalidRequestError (with `param`) on anything wrong."""
+    @staticmethod
+    def check_output(output: OutputOptions) -> None:
+        """The gateway's half of a request (how its audio is encoded); InvalidRequestError if it cannot be.
+        The service validates the other half, once, when synthesis starts."""
         try:
             check_output_options(output.format, sample_rate=output.sample_rate, speed=output.speed)
         except AudioOptionError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
-        return self.service.validate(request), output
 
     def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
         """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
@@ -227,7 +228,8 @@ class Gateway:
         the stream holds one of server.max_connections (False where the connection already holds one)."""
         lease: ConnectionLease | None = None
         try:
-            request, output = self.prepare(*build())
+            request, output = build()
+            self.check_output(output)
             if hold_connection:
                 lease = self.limiter.acquire()
         except SynthesisError as exc:
