@@ -38,7 +38,8 @@ from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
-from orpheus_serve.service import ModelInfo, TTSService, load_tokenizer
+from orpheus_serve.service import ModelInfo
+from orpheus_serve.service_builder import assemble_service, load_tokenizer
 from orpheus_serve.step import SamplingParams, StepOutput, StepPlan
 from tests.gateway_support import check_openai_error, sim_config, stats
 
@@ -256,7 +257,7 @@ def test_an_engine_that_fails_every_step_turns_ready_to_503_within_one_step(tiny
     config = sim_config(tiny_orpheus)
     engine = SwitchableEngine(SimEngine.from_config(config))
     info = ModelInfo(id="orpheus-tiny", backend="sim", model_path=str(tiny_orpheus), codec_path="sim", tiny=True)
-    service = TTSService(config, engine=engine, decoder=SimDecoder(), tokenizer=load_tokenizer(tiny_orpheus),
+    service = assemble_service(config, engine=engine, decoder=SimDecoder(), tokenizer=load_tokenizer(tiny_orpheus),
                          model_info=info)
     server = ServerThread(config, service).start()
     base = server.base_url

@@ -128,6 +128,12 @@ class ServingMetrics:
 
     # ------------------------------------------------ service observer interface
 
+    def on_request_started(self, request_id: str) -> None:
+        pass
+
+    def on_request_invalid(self, reason: str) -> None:
+        pass
+
     def on_request_queued(self, request_id: str) -> None:
         self.requests_queued.inc()
 
@@ -135,7 +141,9 @@ class ServingMetrics:
         self.time_to_first_audio.observe(ttfb_s)
         self.queue_time.observe(queue_s)
 
-    def on_request_finished(self, metrics: SynthesisMetrics) -> None:
+    def on_request_finished(self, metrics: SynthesisMetrics, outcome: str) -> None:
+        if outcome == "cancelled":  # cancelled requests are the gateway's `requests{status="cancelled"}`
+            return
         self.finished.labels(metrics.finish_reason).inc()
         self.e2e_latency.observe(metrics.wall_s)
         if metrics.audio_seconds > 0:
@@ -144,6 +152,9 @@ class ServingMetrics:
 
     def on_request_rejected(self, reason: str) -> None:
         self.requests_rejected.inc()
+
+    def on_request_ended(self, request_id: str) -> None:
+        pass
 
     # ---------------------------------------------------------- gateway figures
 
