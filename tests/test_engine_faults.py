@@ -38,9 +38,9 @@ from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
-from orpheus_serve.service import ModelInfo
 from orpheus_serve.service_builder import assemble_service, load_tokenizer
 from orpheus_serve.step import SamplingParams, StepOutput, StepPlan
+from orpheus_serve.synthesis import ModelInfo
 from tests.gateway_support import check_openai_error, sim_config, stats
 
 SLOTS = 6

@@ -32,19 +32,20 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import protocol
 from .config import Config
 from .engine_client import EngineCoreClient, SessionDone
 from .scheduler import AdmissionError, SchedulerFullError, SessionRequest
-from .stats import RequestOutcome, RequestTally, saturation, service_stats
+from .stats import RequestOutcome, RequestTally, ServiceSnapshot, saturation, service_stats
 from .step import SEED_MAX
 from .synthesis import (
     AudioChunk,
     EngineFailureError,
     InvalidRequestError,
+    ModelInfo,
     QueueFullError,
     ServiceUnavailableError,
     SynthesisMetrics,
@@ -71,16 +72,6 @@ class ServiceObserver(Protocol):
     def on_request_rejected(self, reason: str) -> None: ...
     def on_request_finished(self, metrics: SynthesisMetrics, outcome: RequestOutcome) -> None: ...
     def on_request_ended(self, request_id: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    id: str
-    backend: str
-    model_path: str
-    codec_path: str
-    tiny: bool
-    warning: str | None = None
 
 
 class TTSService:
@@ -288,11 +279,15 @@ class TTSService:
 
     # ------------------------------------------------------------------ stats
 
+    def snapshot(self) -> ServiceSnapshot:
+        core = self._client.stats()
+        return ServiceSnapshot(core=core, saturation=saturation(core, self.config))
+
     def saturation(self) -> str | None:
         """Why the pipeline is behind (for /ready), or None (stats.saturation)."""
         return saturation(self._client.stats(), self.config)
 
     def stats(self) -> dict[str, Any]:
-        return service_stats(self._client.stats(), self.tally, self.config, backend=self.model_info.backend,
+        return service_stats(self.snapshot(), self.tally, backend=self.model_info.backend,
                              uptime_s=time.monotonic() - self._started_at, cpu_s=time.process_time())
 

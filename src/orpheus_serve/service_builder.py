@@ -15,7 +15,8 @@ from .config import Config
 from .engine_client import InprocClient
 from .engines.base import TokenEngine
 from .scheduler import FramesReady, SchedulerEvent, SessionFinished
-from .service import ModelInfo, TTSService
+from .service import TTSService
+from .synthesis import ModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,14 @@ from .synthesis import SynthesisMetrics
 RequestOutcome = Literal["completed", "failed", "cancelled"]
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceSnapshot:
+    """The engine core's figures and the service's reading of them, at one moment."""
+
+    core: EngineCoreStats
+    saturation: str | None
+
+
 @dataclass(slots=True)
 class RequestTally:
     """Request outcomes as the service saw them (a service observer)."""
@@ -84,20 +92,20 @@ def saturation(core: EngineCoreStats, config: Config) -> str | None:
     return None
 
 
-def flow_stats(core: EngineCoreStats, config: Config) -> dict[str, Any]:
+def flow_stats(snapshot: ServiceSnapshot) -> dict[str, Any]:
     """Flow control: capacity against demand, backpressure, codec backlog, and whether we are behind."""
-    flow = core.flow.as_dict()
-    flow["codec_backlog_frames"] = core.codec_backlog_frames
-    flow["codec_oldest_pending_s"] = round(core.codec_oldest_pending_s, 4)
-    reason = saturation(core, config)
-    flow["saturated"] = reason is not None
-    flow["saturation"] = reason
+    flow = snapshot.core.flow.as_dict()
+    flow["codec_backlog_frames"] = snapshot.core.codec_backlog_frames
+    flow["codec_oldest_pending_s"] = round(snapshot.core.codec_oldest_pending_s, 4)
+    flow["saturated"] = snapshot.saturation is not None
+    flow["saturation"] = snapshot.saturation
     return flow
 
 
-def service_stats(core: EngineCoreStats, tally: RequestTally, config: Config, *, backend: str,
-                  uptime_s: float, cpu_s: float) -> dict[str, Any]:
+def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: str, uptime_s: float,
+                  cpu_s: float) -> dict[str, Any]:
     """The service's part of GET /v1/stats (the gateway adds its own figures)."""
+    core = snapshot.core
     s, mem = core.scheduler, core.memory
     uptime = max(uptime_s, 1e-9)
     return {
@@ -135,7 +143,7 @@ def service_stats(core: EngineCoreStats, tally: RequestTally, config: Config, *,
             "busy_s": round(core.busy_s, 3),
         },
         "codec": core.codec,
-        "flow": flow_stats(core, config),
+        "flow": flow_stats(snapshot),
         "requests": tally.as_dict(),
         "process": {"cpu_s": round(cpu_s, 3)},  # all threads; for CPU cost per audio second
         "throughput": {

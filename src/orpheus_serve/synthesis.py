@@ -78,6 +78,18 @@ class SynthesisMetrics:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The model a service serves (GET /v1/models)."""
+
+    id: str
+    backend: str
+    model_path: str
+    codec_path: str
+    tiny: bool
+    warning: str | None = None
+
+
 class SynthesisError(Exception):
     """Base of the errors a gateway maps to its own convention."""
 

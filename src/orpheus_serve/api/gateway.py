@@ -58,6 +58,7 @@ from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
     from ..service import TTSService
+    from ..stats import ServiceSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class SpeechService(Protocol):
     def saturation(self) -> str | None: ...
     def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
     def stats(self) -> dict: ...
+    def snapshot(self) -> ServiceSnapshot: ...
     def add_observer(self, observer: Any) -> None: ...
 
 
@@ -153,7 +155,7 @@ class Gateway:
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self.started_at = time.time()
         self.shutting_down = False  # set by the server when shutdown begins; the service says the rest
-        self.metrics = ServingMetrics(service.stats, self.figures)
+        self.metrics = ServingMetrics(service.snapshot, self.figures)
         service.add_observer(self.metrics)
         # Compressed encoding, resampling and tempo cost milliseconds per chunk; PyAV releases the GIL while
         # it works, so they run here instead of on the event loop that serves every stream.
