@@ -10,7 +10,7 @@ caller acts on), `errors.py` (why `submit()` refuses a session).
 """
 
 from .errors import AdmissionError, InvalidSessionError, SchedulerFullError
-from .events import FINISH_REASONS, FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
 from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
@@ -19,7 +19,6 @@ from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
 __all__ = [
-    "FINISH_REASONS",
     "AdmissionError",
     "DeadlinePolicy",
     "FairPolicy",

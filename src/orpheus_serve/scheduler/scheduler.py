@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..protocol import FRAME_SECONDS, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
+from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
 from ..step import PrefillChunk, StepOutput, StepPlan
 from .capacity import CapacityModel
 from .errors import InvalidSessionError, SchedulerFullError
@@ -70,7 +70,6 @@ from .policy import SchedulingPolicy, make_policy
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
-_MAX_PUSH_MULTIPLE = 4  # regular pushes grow to at most 4× flush_every_n_tokens when the client is far ahead
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 60.0
 _SESSION_S_SMOOTHING = 0.1  # weight of the newest session in the running mean used for retry hints
@@ -191,7 +190,7 @@ class Scheduler:
         with self._lock:
             if req.request_id in self._waiting or req.request_id in self._admitted:
                 raise InvalidSessionError(f"request id {req.request_id!r} is already in use", param="request_id")
-            continuation = req.playback_start_s is not None  # part of a stream already playing: never refused
+            continuation = req.is_continuation  # part of a stream already playing: never refused
             if self._config.admission == "reject" and not continuation:
                 # Behind a load balancer: past the measured capacity, refuse at once so the client goes
                 # elsewhere. (While a cold server ramps up to what it has not measured yet, requests wait.)
@@ -242,14 +241,6 @@ class Scheduler:
                 reason, SessionState.CANCELLED
             )
             self._end(session, state, reason, self._clock(), self._events)
-
-    def fail_running(self, error: str) -> None:
-        """The engine failed as a whole: fail every session holding a slot.
-        Waiting sessions stay queued for whatever engine runs next."""
-        with self._lock:
-            now = self._clock()
-            for session in list(self._admitted.values()):
-                self._fail(session, error, now, self._events)
 
     # ------------------------------------------------------------ engine side
 
@@ -418,7 +409,7 @@ class Scheduler:
 
     def _plan_prefill(self, plan: StepPlan, now: float) -> None:
         budget = self._config.prefill_chunk_tokens
-        # Prompts already started go on first (admission order), then new admissions (FIFO).
+        # Prompts already started go on first (admission order), then new admissions (the policy's order).
         for session in self._admitted.values():
             if budget <= 0:
                 return
@@ -428,10 +419,10 @@ class Scheduler:
             return
         capacity = self._flow.admission_limit(self._admitted.values(), self._step)
         demand = self._flow.demand(self._admitted.values()) if capacity is not None else 0
-        for session in list(self._waiting.values()):
+        for session in self._policy.admission_order(list(self._waiting.values())):
             if budget <= 0 or not self._slots.free_count:
                 return
-            continuation = session.request.playback_start_s is not None
+            continuation = session.request.is_continuation
             if capacity is not None and not continuation and demand >= capacity:
                 self._flow.admission_waited()
                 continue  # over capacity: new streams wait; continuations of playing streams go on
@@ -517,33 +508,15 @@ class Scheduler:
         else:
             if session.first_frames is None and session.buffer.pending_frames >= self._flush_policy.first_frames:
                 session.first_frames = self._flow.first_push_frames(len(self._admitted))
-            ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now),
-                                              every_frames=self._push_frames(session, now),
-                                              first_frames=session.first_frames)
+            held_s = None if session.playback_end_s is None else session.playback_end_s - now
+            policy = self._flush_policy
+            ready = session.buffer.take_ready(
+                eager=policy.buffer_is_thin(held_s, pushed=session.first_flush_at is not None),
+                every_frames=policy.push_frames(held_s, self._config.max_undecoded_frames),
+                first_frames=session.first_frames)
             if ready is not None:
                 self._flow.pushed(session, int(ready.shape[0]), now, final=False)
                 events.append(FramesReady(session.request_id, ready, final=False))
-
-    def _push_frames(self, session: Session, now: float) -> int:
-        """Frames per regular push: the policy's, doubled (up to 4×) while the client holds at least
-        twice the larger push, so a deep buffer takes fewer, bigger chunks. Never more than the
-        codec backlog a session may have (max_undecoded_frames)."""
-        every = self._flush_policy.every_frames
-        if session.playback_end_s is None:
-            return every
-        held_pushes = (session.playback_end_s - now) / (every * FRAME_SECONDS)
-        multiple = 1
-        while multiple < _MAX_PUSH_MULTIPLE and held_pushes >= 4 * multiple:
-            multiple *= 2
-        return min(every * multiple, self._config.max_undecoded_frames)
-
-    def _buffer_is_thin(self, session: Session, now: float) -> bool:
-        """The client holds less audio than one regular push: frames should go out one by one."""
-        if session.playback_end_s is None:
-            # After the first push and before its audio reached the client, the buffer is as thin as it gets.
-            return session.first_flush_at is not None
-        # (less a microsecond, so that exactly one push's worth, summed frame by frame, is not thin)
-        return session.playback_end_s - now < self._flush_policy.every_frames * FRAME_SECONDS - 1e-6
 
     def _complete(self, session: Session, reason: str, now: float, events: list[SchedulerEvent]) -> None:
         """stop / length: hand out every frame left, then end."""
