@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from orpheus_serve.api.client import main
+from orpheus_serve.client.protocols import main
 
 if __name__ == "__main__":
     sys.exit(main())

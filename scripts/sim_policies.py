@@ -9,7 +9,7 @@ seeded random times; a client starts playback at its first audio and counts an
 underrun whenever it runs dry. Prints three tables: 64 concurrent sessions,
 a concurrency sweep (N sessions arriving within `--window` seconds), and an
 offered-load sweep (the same sessions spread over longer arrival windows).
-See orpheus_serve/scheduler/simulate.py.
+See orpheus_serve/benchmarking/simulate.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from orpheus_serve.config import SchedulerConfig
-from orpheus_serve.engines.sim_engine import h100_cost_model
-from orpheus_serve.scheduler.simulate import (
+from orpheus_serve.benchmarking.simulate import (
     SimulationSetup,
     Workload,
     compare_policies,
     format_table,
     realtime_capacity,
 )
+from orpheus_serve.config import SchedulerConfig
+from orpheus_serve.engines.sim_engine import h100_cost_model
 
 
 def _ints(text: str) -> list[int]:

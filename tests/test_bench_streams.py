@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from orpheus_serve.benchmarking.streams import BYTES_PER_SECOND, StreamRecord, percentile, summarize
 from orpheus_serve.benchmarking.workload import make_workload
+from orpheus_serve.client.records import BYTES_PER_SECOND, StreamRecord, percentile, summarize
 
 
 def chunk(seconds: float) -> int:

@@ -24,21 +24,23 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from orpheus_serve import protocol as P
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
-from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.api.server import ServerThread
+from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.config import SchedulerConfig, SimConfig
 from orpheus_serve.engine_core import EngineCore
 from orpheus_serve.engines import sim_engine
-from orpheus_serve.engines.base import SamplingParams, StepOutput, StepPlan, TokenEngine
+from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
-from orpheus_serve.service import ModelInfo, TTSService, load_tokenizer
+from orpheus_serve.service_builder import assemble_service, load_tokenizer
+from orpheus_serve.step import EngineDeadError, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.synthesis import ModelInfo
 from tests.gateway_support import check_openai_error, sim_config, stats
 
 SLOTS = 6
@@ -255,7 +257,7 @@ def test_an_engine_that_fails_every_step_turns_ready_to_503_within_one_step(tiny
     config = sim_config(tiny_orpheus)
     engine = SwitchableEngine(SimEngine.from_config(config))
     info = ModelInfo(id="orpheus-tiny", backend="sim", model_path=str(tiny_orpheus), codec_path="sim", tiny=True)
-    service = TTSService(config, engine=engine, decoder=SimDecoder(), tokenizer=load_tokenizer(tiny_orpheus),
+    service = assemble_service(config, engine=engine, decoder=SimDecoder(), tokenizer=load_tokenizer(tiny_orpheus),
                          model_info=info)
     server = ServerThread(config, service).start()
     base = server.base_url
@@ -288,5 +290,39 @@ def test_an_engine_that_fails_every_step_turns_ready_to_503_within_one_step(tiny
             assert json.loads(ws.recv(timeout=30))["error"]["code"] == "unavailable"
         assert engine.failed_calls <= 3
         assert httpx.get(f"{base}/health").status_code == 200  # the process is alive; it needs a restart
+    finally:
+        server.stop(0)
+
+
+class DyingEngine(SwitchableEngine):
+    """A real engine whose runtime dies, and which says so (`EngineDeadError`, as TensorRT-LLM's does)."""
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        if self.failing:
+            self.failed_calls += 1
+            raise EngineDeadError("executor worker exited with code 134")
+        return self.engine.step(plan)
+
+
+def test_an_engine_that_reports_its_own_death_is_dead_after_one_step(tiny_orpheus: Path) -> None:
+    config = sim_config(tiny_orpheus)
+    engine = DyingEngine(SimEngine.from_config(config))
+    info = ModelInfo(id="orpheus-tiny", backend="sim", model_path=str(tiny_orpheus), codec_path="sim", tiny=True)
+    service = assemble_service(config, engine=engine, decoder=SimDecoder(), tokenizer=load_tokenizer(tiny_orpheus),
+                               model_info=info)
+    server = ServerThread(config, service).start()
+    base = server.base_url
+    try:
+        assert httpx.get(f"{base}/ready").json() == {"status": "ready"}
+        engine.failing = True
+
+        response = httpx.post(f"{base}/v1/audio/speech", json={"input": "Request.", "response_format": "pcm"},
+                              timeout=30)
+        check_openai_error(response, 500, "engine_error")
+        assert "code 134" in response.json()["error"]["message"]
+        assert engine.failed_calls == 1  # no isolation: the engine said it is dead
+        ready = httpx.get(f"{base}/ready")
+        assert (ready.status_code, ready.json()) == (503, {"status": "engine_failed"})
+        assert "code 134" in stats(server)["engine"]["failure"]
     finally:
         server.stop(0)

@@ -366,7 +366,7 @@ def test_a_websocket_client_that_stops_reading_is_cut_off_and_the_server_goes_on
 
     from websockets.sync.client import connect as ws_connect
 
-    from orpheus_serve.api.client import stream_url
+    from orpheus_serve.client.protocols import stream_url
 
     server = start_server(sim_config(tiny_orpheus, **{
         "server.stalled_client_timeout_s": 1.0, "engine.sim.step_base_ms": 2.0,

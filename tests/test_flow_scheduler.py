@@ -12,7 +12,7 @@ import pytest
 from orpheus_serve.protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from orpheus_serve.scheduler import FramesReady, Scheduler, SessionState
 from orpheus_serve.scheduler.capacity import CapacityModel
-from orpheus_serve.synthesis import QueueFullError
+from orpheus_serve.scheduler.errors import SchedulerFullError
 from tests.test_scheduler import FakeClock, HandModel, config, of_type, request
 
 A_MS, B_MS = 4.0, 0.05  # a known engine cost: step_ms = 4 + 0.05 * batch
@@ -137,7 +137,7 @@ def test_reject_mode_refuses_at_once_with_a_retry_hint() -> None:
     for i in range(6):
         sched.submit(request(f"s{i}", clock))
     sched.schedule()
-    with pytest.raises(QueueFullError) as refused:
+    with pytest.raises(SchedulerFullError) as refused:
         sched.submit(request("s6", clock))
     assert refused.value.retry_after_s > 0
     assert "capacity" in str(refused.value)

@@ -22,8 +22,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api import client as api_client
 from orpheus_serve.api.server import ServerThread
+from orpheus_serve.client import protocols as api_client
 from orpheus_serve.synthesis import InvalidRequestError, SynthesisRequest
 from orpheus_serve.validation import documented_ranges
 from tests.gateway_support import sim_config, start_server, stats

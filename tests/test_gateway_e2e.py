@@ -19,9 +19,9 @@ import numpy as np
 import openai
 import pytest
 
-from orpheus_serve.api import client as api_client
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.audio import AUDIO_FORMATS, CONTENT_TYPES, decode_audio
+from orpheus_serve.client import protocols as api_client
 from orpheus_serve.protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, VOICES
 from tests.gateway_support import check_openai_error, start_server, tiny_config
 

@@ -21,10 +21,10 @@ import websockets
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
-from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.api.server import ServerThread
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from tests.gateway_support import check_openai_error, sim_config, start_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
-from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.api.server import ServerThread
-from orpheus_serve.benchmarking.streams import summarize
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.client.records import summarize
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
 from tests.gateway_support import check_openai_error, metric_values, sim_config, start_server, stats, wait_for
 

@@ -21,8 +21,8 @@ from orpheus_serve.api.errors import (
 )
 from orpheus_serve.api.gateway import ConnectionLimiter, OutputOptions, SpeechStream, voice_list
 from orpheus_serve.api.grpc_server import metrics_to_proto, request_from_proto
-from orpheus_serve.api.proto import orpheus_pb2 as pb
 from orpheus_serve.api.schemas import SpeechRequestBody, StreamRequestMessage, first_validation_error
+from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.protocol import OPENAI_VOICE_ALIASES, VOICES
 from orpheus_serve.synthesis import (
     AudioChunk,

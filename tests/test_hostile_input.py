@@ -23,9 +23,9 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError
 from websockets.frames import Frame, Opcode
 
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
 from orpheus_serve.api.server import ServerThread
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.protocol import SAMPLES_PER_FRAME, VOCAB_SIZE
 from orpheus_serve.service import TTSService
 from tests.gateway_support import tiny_config

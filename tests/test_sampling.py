@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from orpheus_serve import protocol as P
-from orpheus_serve.engines.base import SamplingParams
 from orpheus_serve.engines.sampling import (
     SamplingBatch,
     SlotSamplingState,
@@ -17,6 +16,7 @@ from orpheus_serve.engines.sampling import (
     mix32,
     sample_candidates,
 )
+from orpheus_serve.step import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from orpheus_serve.config import SchedulerConfig
-from orpheus_serve.engines.base import SamplingParams, StepOutput, StepPlan
 from orpheus_serve.protocol import END_OF_SPEECH, code_to_token
 from orpheus_serve.scheduler import (
     FlushPolicy,
@@ -22,7 +21,8 @@ from orpheus_serve.scheduler import (
     SessionRequest,
     SessionState,
 )
-from orpheus_serve.synthesis import InvalidRequestError, QueueFullError
+from orpheus_serve.scheduler.errors import InvalidSessionError, SchedulerFullError
+from orpheus_serve.step import SamplingParams, StepOutput, StepPlan
 
 
 class FakeClock:
@@ -206,7 +206,7 @@ def test_engine_failure_protocol_error_and_engine_finish() -> None:
 def test_context_limit_ends_the_session_with_length_and_an_oversized_prompt_is_refused() -> None:
     clock = FakeClock()
     sched = Scheduler(config(), num_slots=1, clock=clock, max_seq_len=50)
-    with pytest.raises(InvalidRequestError, match="max_seq_len=50"):
+    with pytest.raises(InvalidSessionError, match="max_seq_len=50"):
         sched.submit(request("big", clock, prompt_len=45))
     sched.submit(request("a", clock, prompt_len=20))  # asks for more than the 30 tokens of room
     model = HandModel()
@@ -225,9 +225,9 @@ def test_submit_rejects_duplicate_ids_and_empty_prompts() -> None:
     clock = FakeClock()
     sched = Scheduler(config(), num_slots=2, clock=clock)
     sched.submit(request("a", clock))
-    with pytest.raises(InvalidRequestError, match="already in use"):
+    with pytest.raises(InvalidSessionError, match="already in use"):
         sched.submit(request("a", clock))
-    with pytest.raises(InvalidRequestError, match="empty prompt"):
+    with pytest.raises(InvalidSessionError, match="empty prompt"):
         sched.submit(request("b", clock, prompt_len=0))
 
 
@@ -297,7 +297,7 @@ def test_queue_bound_32_slots_and_8_waiting_then_immediate_rejection() -> None:
     sched = Scheduler(config(max_concurrent_sessions=32, max_queue=8), num_slots=32, clock=clock)
     for i in range(40):
         sched.submit(request(f"r{i}", clock))
-    with pytest.raises(QueueFullError) as err:
+    with pytest.raises(SchedulerFullError) as err:
         sched.submit(request("r40", clock))
     message = str(err.value)
     assert "all 32 synthesis slots are in use" in message and "max_queue=8" in message and "retry" in message
@@ -552,8 +552,8 @@ def test_scheduler_package_imports_no_torch() -> None:
     code = (
         "import sys, orpheus_serve.scheduler, orpheus_serve.text; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
-        "assert not [m for m in sys.modules if m.startswith('orpheus_serve.engines.') "
-        "and m != 'orpheus_serve.engines.base'], 'engine imported'"
+        "assert not [m for m in sys.modules if m.startswith(('orpheus_serve.engines', 'orpheus_serve.codec', "
+        "'orpheus_serve.api'))], 'engine, codec or api imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": "src"}, cwd=_root())
 
@@ -600,7 +600,7 @@ def test_random_traffic_with_cancels_and_timeouts_keeps_every_invariant() -> Non
             try:
                 sched.submit(request(rid, clock, prompt_len=int(rng.integers(5, 150)), max_tokens=7 * 16))
                 submitted.add(rid)
-            except QueueFullError:
+            except SchedulerFullError:
                 pass
         if submitted and rng.random() < 0.05:
             sched.cancel(sorted(submitted)[int(rng.integers(len(submitted)))])

@@ -83,7 +83,7 @@ def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: 
     """Content, not just length: the PCM a client receives for a two-chunk text is, sample for sample, what
     decoding each chunk's generated frames in one offline call gives (SNAC noise off)."""
     from orpheus_serve.codec import decode_offline, load_snac
-    from orpheus_serve.service import pcm16
+    from orpheus_serve.engine_client import pcm16
 
     text = ("The first sentence of this text runs long enough to fill most of one chunk on its own, and then "
             "some more words follow it. The second sentence lands in a chunk of its own, which the service "
@@ -223,8 +223,8 @@ def test_synthesize_cli_writes_chunked_wav_without_gaps(tiny_models: Path, tmp_p
 def test_first_flush_comes_as_soon_as_the_stateful_decoder_can_return_audio(tiny_snac: Path) -> None:
     from orpheus_serve.codec import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
+    from orpheus_serve.engine_client import audible_lookahead
     from orpheus_serve.scheduler import FlushPolicy
-    from orpheus_serve.service import audible_lookahead
 
     decoder = StatefulDecoder(load_snac(str(tiny_snac), noise=False))
     lookahead = audible_lookahead(decoder)

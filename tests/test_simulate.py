@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orpheus_serve.config import SchedulerConfig
-from orpheus_serve.engines.sim_engine import h100_cost_model
-from orpheus_serve.protocol import FRAME_SECONDS
-from orpheus_serve.scheduler.simulate import (
+from orpheus_serve.benchmarking.simulate import (
     SimulationSetup,
     StreamResult,
     Workload,
@@ -16,6 +13,9 @@ from orpheus_serve.scheduler.simulate import (
     realtime_capacity,
     simulate,
 )
+from orpheus_serve.config import SchedulerConfig
+from orpheus_serve.engines.sim_engine import h100_cost_model
+from orpheus_serve.protocol import FRAME_SECONDS
 
 
 def setup(slots: int = 64, batch: int = 16) -> SimulationSetup:

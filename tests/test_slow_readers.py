@@ -29,10 +29,10 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
-from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.benchmarking.launch import LaunchedServer
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 
 NORMAL = 8
 SLOW = 20  # read 1 KB/s

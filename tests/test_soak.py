@@ -37,11 +37,12 @@ import pytest
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
-from orpheus_serve.api import client as api_client
-from orpheus_serve.api.proto import orpheus_pb2 as pb
-from orpheus_serve.api.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.benchmarking.launch import LaunchedServer
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from orpheus_serve.synthesis import PROTOCOLS
 
 REQUESTS = int(os.environ.get("ORPHEUS_SOAK_REQUESTS", "600"))
 # The stateful decoder runs tiny SNAC on the CPU: tens of milliseconds a frame here, so a smaller run.
@@ -49,7 +50,7 @@ STATEFUL_REQUESTS = max(30, REQUESTS // 20)
 CONCURRENCY = 24  # clients in flight (8 per protocol), under the 32 slots: nothing is refused
 RSS_LIMIT_MB = 50.0
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
-PROTOCOLS = ("rest", "ws", "grpc")
+
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(max(300, int(REQUESTS * 0.5)))]
 

@@ -27,7 +27,7 @@ from fake_tensorrt_llm import (
 )
 
 from orpheus_serve.config import load_config
-from orpheus_serve.engines.base import EngineError, PrefillChunk, SamplingParams, StepPlan, TokenEngine
+from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.trtllm_build import BuildSettings, CheckpointDigest, GpuInfo, build_manifest, write_manifest
 from orpheus_serve.engines.trtllm_engine import (
     ExecutorDeadError,
@@ -51,6 +51,7 @@ from orpheus_serve.protocol import (
     VOCAB_SIZE,
     FrameParser,
 )
+from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 STEP_WAIT_S = 0.2
 

@@ -12,13 +12,14 @@ from fake_tensorrt_llm import FakeLLM, FakeSamplingParams
 
 from orpheus_serve import protocol
 from orpheus_serve.config import SamplingConfig, load_config
-from orpheus_serve.engines.base import SEED_MAX, PrefillChunk, SamplingParams, StepPlan, TokenEngine
+from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.engines.trtllm_engine import TrtLlmEngine, TrtLlmEngineSettings
-from orpheus_serve.service import TEXT_CHUNK_CHARS, load_tokenizer
+from orpheus_serve.service_builder import load_tokenizer
+from orpheus_serve.step import SEED_MAX, PrefillChunk, SamplingParams, StepPlan
 from orpheus_serve.synthesis import InvalidRequestError, SynthesisRequest
-from orpheus_serve.text import has_speech, normalize_text
+from orpheus_serve.text import TEXT_CHUNK_CHARS, has_speech, normalize_text
 from orpheus_serve.validation import Limits, Range, field_range, validate_request
 
 

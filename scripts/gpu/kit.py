@@ -366,8 +366,8 @@ def _codec_engine_overlap(shapes: Shapes, llama: Path, decoder: Any,
                           codec_passes: Callable[..., list[float]]) -> dict[str, Any]:
     """Engine decode steps and codec passes on their own streams, each alone, then both at once."""
     from orpheus_serve import protocol as P
-    from orpheus_serve.engines.base import PrefillChunk, SamplingParams, StepPlan
     from orpheus_serve.engines.torch_engine import TorchEngine
+    from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
 
     batch = shapes.overlap_batch
     engine = TorchEngine(llama, num_slots=batch, max_seq_len=64 + 2 * shapes.overlap_steps + 16,

@@ -15,8 +15,11 @@ for *as it arrives*, so the first bytes leave with the first decoded frame:
 Optional per-stream processing runs before the encoder, also incrementally:
 `speed` (0.25–4.0) through FFmpeg's pitch-preserving `atempo` filter, chained
 because one `atempo` only covers 0.5–2.0; and resampling to another output
-rate. Everything here is synchronous and cheap per chunk (well under a
-millisecond for a 2048-sample chunk), so gateways call it inline.
+rate. Everything here is synchronous. Raw PCM and WAV at the model's rate
+and speed are plain copies, which the gateway does inline; compressed
+encoding, resampling and tempo cost milliseconds per chunk, so the gateway
+runs them in its encoding thread pool (PyAV releases the GIL while it works)
+instead of on the event loop that serves every stream.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ in between, the engine is declared dead.
 From then on no step reaches it, every session fails at once, `submit`
 refuses new work (ServiceUnavailableError: 503 / UNAVAILABLE), and
 `engine_alive` is False (the gateway's /ready answers 503 `engine_failed`).
-Only a restart brings it back.
+Only a restart brings it back. An engine that knows it is dead (its runtime
+died: `step.EngineDeadError`) is declared dead by the first step that raises
+it, with the engine's own message, without isolating anything.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .codec.base import CodecPush
-from .engines.base import PrefillChunk, StepOutput, StepPlan, TokenEngine
+from .engines.base import TokenEngine
 from .scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
+from .step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
 from .synthesis import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -103,7 +106,7 @@ class EngineCore:
         return self.engine_failure is None
 
     def submit(self, req: SessionRequest) -> None:
-        """Queue a session; raises QueueFullError at once when the queue is full, and
+        """Queue a session; raises the scheduler's SchedulerFullError at once when the queue is full, and
         ServiceUnavailableError once the engine is dead."""
         if self.engine_failure is not None:
             raise ServiceUnavailableError(f"the engine has failed and the server needs a restart: {self.engine_failure}")
@@ -175,6 +178,10 @@ class EngineCore:
             return StepOutput(failed={slot: f"engine failed: {self.engine_failure}" for slot in _slots_of(plan)})
         try:
             output = self._engine.step(plan)
+        except EngineDeadError as exc:
+            self.step_errors += 1
+            self._declare_dead(str(exc))
+            return self._step(plan)
         except Exception as exc:  # find the session(s) at fault; everybody else keeps this step's token
             self.step_errors += 1
             log.exception("engine step over %d sessions failed; running them again in smaller groups",
@@ -210,6 +217,9 @@ class EngineCore:
                 sub.priority = {s: p for s, p in plan.priority.items() if s in _slots_of(sub)}
                 try:
                     _merge(out, self._engine.step(sub))
+                except EngineDeadError as dead:
+                    self._declare_dead(str(dead))
+                    return self._step(plan)
                 except Exception as sub_error:
                     pending.append((half, sub_error))
                 else:

@@ -2,7 +2,7 @@
 
 Two sources feed it:
 
-- a collector that reads `TTSService.stats()` at scrape time (running and
+- a collector that reads `TTSService.snapshot()` (typed) at scrape time (running and
   waiting requests, KV-cache usage, tokens and engine steps), so the gauges
   are never stale and nothing polls in the background;
 - an observer registered with the service (`on_first_audio`,
@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .stats import ServiceSnapshot
 from .synthesis import SynthesisMetrics
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,53 +35,51 @@ _RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 
 class _ServiceStatsCollector(Collector):
-    """Gauges and counters read from the service's stats snapshot at scrape time."""
+    """Gauges and counters read from the service's typed snapshot at scrape time."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]], gateway_figures: Callable[[], Mapping[str, Any]]):
-        self._stats = stats
+    def __init__(self, snapshot: Callable[[], ServiceSnapshot], gateway_figures: Callable[[], Mapping[str, Any]]):
+        self._snapshot = snapshot
         self._gateway_figures = gateway_figures
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        scheduler = stats["scheduler"]
-        kv = stats["kv_cache"]
+        snapshot = self._snapshot()
+        scheduler, flow = snapshot.core.scheduler, snapshot.core.flow
         yield GaugeMetricFamily("orpheus:num_requests_running", "Sessions holding a KV-cache slot.",
-                                value=scheduler["active_sessions"])
+                                value=scheduler.active_sessions)
         yield GaugeMetricFamily("orpheus:num_requests_waiting", "Sessions waiting for a KV-cache slot.",
-                                value=scheduler["pending_sessions"])
+                                value=scheduler.pending_sessions)
         yield GaugeMetricFamily("orpheus:max_concurrent_sessions", "KV-cache slots pre-allocated at start-up.",
-                                value=scheduler["max_concurrent"])
-        slots = kv["used_slots"] + kv["free_slots"]
+                                value=scheduler.max_concurrent)
+        slots = scheduler.used_slots + scheduler.free_slots
         yield GaugeMetricFamily("orpheus:kv_cache_usage_perc", "Fraction of KV-cache slots in use (1 = full).",
-                                value=kv["used_slots"] / slots if slots else 0.0)
+                                value=scheduler.used_slots / slots if slots else 0.0)
         yield CounterMetricFamily("orpheus:generation_tokens", "Audio tokens generated.",
-                                  value=stats["total_tokens"])
+                                  value=scheduler.total_tokens)
         yield CounterMetricFamily("orpheus:engine_steps", "Engine steps (micro-batches) run.",
-                                  value=stats["total_batches"])
-        flow = stats.get("flow")
-        if flow is not None:
-            yield GaugeMetricFamily("orpheus:codec_backlog_frames", "Frames waiting for the codec worker.",
-                                    value=flow["codec_backlog_frames"])
-            yield GaugeMetricFamily("orpheus:codec_oldest_pending_seconds",
-                                    "Age of the oldest frame waiting for the codec worker.",
-                                    value=flow["codec_oldest_pending_s"])
-            yield GaugeMetricFamily("orpheus:undecoded_frames_max",
-                                    "The most frames any session has generated but not decoded.",
-                                    value=flow["max_undecoded_frames"])
-            capacity = flow["capacity_streams"]
-            yield GaugeMetricFamily("orpheus:capacity_realtime_streams",
-                                    "Real-time streams the measured pipeline sustains (NaN until measured).",
-                                    value=float("nan") if capacity is None else capacity)
-            yield GaugeMetricFamily("orpheus:admitted_streams",
-                                    "Admitted streams that need real-time production (compare with capacity).",
-                                    value=flow["demand_streams"])
-            paused = GaugeMetricFamily("orpheus:sessions_held_back", "Sessions skipped by backpressure, by cause.",
-                                       labels=["cause"])
-            for cause in ("codec", "client_buffer", "server_buffer"):
-                paused.add_metric([cause], flow[f"paused_{cause}"])
-            yield paused
-            yield GaugeMetricFamily("orpheus:saturated", "1 while the pipeline is behind or full (/ready is 503).",
-                                    value=1.0 if flow["saturated"] else 0.0)
+                                  value=scheduler.total_batches)
+        yield GaugeMetricFamily("orpheus:codec_backlog_frames", "Frames waiting for the codec worker.",
+                                value=snapshot.core.codec_backlog_frames)
+        yield GaugeMetricFamily("orpheus:codec_oldest_pending_seconds",
+                                "Age of the oldest frame waiting for the codec worker.",
+                                value=snapshot.core.codec_oldest_pending_s)
+        yield GaugeMetricFamily("orpheus:undecoded_frames_max",
+                                "The most frames any session has generated but not decoded.",
+                                value=flow.max_undecoded_frames)
+        capacity = flow.capacity_streams
+        yield GaugeMetricFamily("orpheus:capacity_realtime_streams",
+                                "Real-time streams the measured pipeline sustains (NaN until measured).",
+                                value=float("nan") if capacity is None else capacity)
+        yield GaugeMetricFamily("orpheus:admitted_streams",
+                                "Admitted streams that need real-time production (compare with capacity).",
+                                value=flow.demand_streams)
+        paused = GaugeMetricFamily("orpheus:sessions_held_back", "Sessions skipped by backpressure, by cause.",
+                                   labels=["cause"])
+        for cause, count in (("codec", flow.paused_codec), ("client_buffer", flow.paused_client_buffer),
+                             ("server_buffer", flow.paused_server_buffer)):
+            paused.add_metric([cause], count)
+        yield paused
+        yield GaugeMetricFamily("orpheus:saturated", "1 while the pipeline is behind or full (/ready is 503).",
+                                value=1.0 if snapshot.saturation is not None else 0.0)
         gateway = self._gateway_figures()
         streams = GaugeMetricFamily("orpheus:active_streams", "Audio streams open at the gateway.",
                                     labels=["protocol"])
@@ -95,7 +94,7 @@ class _ServiceStatsCollector(Collector):
 class ServingMetrics:
     """The app's registry, the service observer, and the gateway's counters."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]],
+    def __init__(self, snapshot: Callable[[], ServiceSnapshot],
                  gateway_figures: Callable[[], Mapping[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -124,9 +123,15 @@ class ServingMetrics:
                                 ["finish_reason"], registry=r)
         self.requests = Counter("orpheus:requests", "Requests seen by the gateway, by protocol and outcome.",
                                 ["protocol", "status"], registry=r)
-        r.register(_ServiceStatsCollector(stats, gateway_figures))
+        r.register(_ServiceStatsCollector(snapshot, gateway_figures))
 
     # ------------------------------------------------ service observer interface
+
+    def on_request_started(self, request_id: str) -> None:
+        pass
+
+    def on_request_invalid(self, reason: str) -> None:
+        pass
 
     def on_request_queued(self, request_id: str) -> None:
         self.requests_queued.inc()
@@ -135,7 +140,9 @@ class ServingMetrics:
         self.time_to_first_audio.observe(ttfb_s)
         self.queue_time.observe(queue_s)
 
-    def on_request_finished(self, metrics: SynthesisMetrics) -> None:
+    def on_request_finished(self, metrics: SynthesisMetrics, outcome: str) -> None:
+        if outcome == "cancelled":  # cancelled requests are the gateway's `requests{status="cancelled"}`
+            return
         self.finished.labels(metrics.finish_reason).inc()
         self.e2e_latency.observe(metrics.wall_s)
         if metrics.audio_seconds > 0:
@@ -144,6 +151,9 @@ class ServingMetrics:
 
     def on_request_rejected(self, reason: str) -> None:
         self.requests_rejected.inc()
+
+    def on_request_ended(self, request_id: str) -> None:
+        pass
 
     # ---------------------------------------------------------- gateway figures
 

@@ -143,6 +143,13 @@ def code_to_token(code: int, position: int) -> int:
     return AUDIO_TOKEN_BASE + (position % TOKENS_PER_FRAME) * CODEBOOK_SIZE + code
 
 
+def join_frames(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Frame arrays [n_i, 7] in order as one [sum n_i, 7] (no copy for a single part)."""
+    if not parts:
+        return np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
 def frames_to_token_ids(frames: np.ndarray | Sequence[Sequence[int]], *, end: bool = False) -> list[int]:
     """Frames of 7 codes -> interleaved audio token ids (+ end_of_speech)."""
     arr = np.asarray(frames, dtype=np.int64).reshape(-1, TOKENS_PER_FRAME)
@@ -212,10 +219,6 @@ class FrameParser:
         if not frames:
             return np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
         return np.stack(frames)
-
-    @property
-    def frames_emitted(self) -> int:
-        return self.position // TOKENS_PER_FRAME
 
 
 def parse_token_ids(token_ids: Iterable[int]) -> np.ndarray:

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from .protocol import SAMPLE_RATE
+
+# The wire protocols a request can arrive over; every table of protocols derives from this one.
+ProtocolName = Literal["rest", "ws", "grpc"]
+PROTOCOLS: tuple[ProtocolName, ...] = get_args(ProtocolName)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,18 @@ class SynthesisMetrics:
             "text_chunks": self.text_chunks,
             "finish_reason": self.finish_reason,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The model a service serves (GET /v1/models)."""
+
+    id: str
+    backend: str
+    model_path: str
+    codec_path: str
+    tiny: bool
+    warning: str | None = None
 
 
 class SynthesisError(Exception):

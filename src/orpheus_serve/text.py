@@ -243,3 +243,11 @@ def _pack(pieces: list[str], max_chars: int) -> list[str]:
     if current:
         chunks.append(current)
     return chunks
+
+
+TEXT_CHUNK_CHARS = 200  # sentence chunks the model handles well; long text is split into these
+
+
+def speech_chunks(text: str) -> list[str]:
+    """`text` normalised and split into the chunks generated one after another (one session each)."""
+    return split_text(normalize_text(text), max_chars=TEXT_CHUNK_CHARS)

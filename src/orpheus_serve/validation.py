@@ -43,7 +43,7 @@ from pydantic import BaseModel
 
 from . import protocol
 from .config import Config, SamplingConfig
-from .engines.base import SEED_MAX
+from .step import SEED_MAX, SamplingParams
 from .synthesis import InvalidRequestError, SynthesisRequest
 from .text import has_speech, normalize_text, split_text
 
@@ -250,3 +250,18 @@ def _text(raw: Any, limits: Limits, voice: str, prompt_len: Callable[[str, str],
             f"input has a sentence of {max(lengths)} prompt tokens, which leaves no room for audio within "
             f"max_seq_len={limits.max_seq_len}", param="input")
     return text
+
+
+def resolve_sampling(s: SamplingConfig, req: SynthesisRequest, text: str) -> SamplingParams:
+    """The request's sampling values, the config's defaults for what it leaves out; max_tokens in whole frames."""
+    max_tokens = s.max_tokens_for(text) if req.max_tokens is None else req.max_tokens
+    max_tokens = max(protocol.TOKENS_PER_FRAME, max_tokens - max_tokens % protocol.TOKENS_PER_FRAME)
+    return SamplingParams(
+        temperature=s.temperature if req.temperature is None else float(req.temperature),
+        top_p=s.top_p if req.top_p is None else float(req.top_p),
+        top_k=s.top_k if req.top_k is None else int(req.top_k),
+        repetition_penalty=s.repetition_penalty if req.repetition_penalty is None else float(req.repetition_penalty),
+        max_tokens=max_tokens,
+        seed=req.seed,
+        constrained=s.constrained if req.constrained is None else bool(req.constrained),
+    )

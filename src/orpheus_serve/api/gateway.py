@@ -1,10 +1,28 @@
-"""What every protocol handler shares: admission, API keys, and one audio stream in flight.
+"""What every protocol handler shares: the one admission path, API keys, and one audio stream in flight.
 
 `Gateway` is built once per server and handed to the HTTP app, the WebSocket
 route and the gRPC servicer, so the connection limit, the counters and the
-metrics registry cover all three protocols. Handlers stay thin: they convert
-their wire types into a `SynthesisRequest` plus `OutputOptions`, call
-`Gateway.open_stream`, and frame the bytes `SpeechStream.audio()` yields.
+metrics registry cover all three protocols.
+
+The admission path, the same for every protocol (`Gateway.admit`):
+
+    build()            the adapter's wire conversion: wire message -> SynthesisRequest + OutputOptions
+    check_output()     the output options (format, rate, speed) checked
+    lease              one of server.max_connections (WebSocket: held by the connection instead)
+    readiness          warming up, shutting down or a dead engine: ServiceUnavailableError
+    open_stream()      synthesis started and its first item awaited, so refusals surface before any
+                       byte is sent: the request validated (once, by the service: validation.py),
+                       the queue full, a timeout while queued
+    stream.audio()     the adapter frames these bytes for its wire
+    stream.close()     the session cancelled if still running, the lease freed, the outcome counted
+
+Every refusal on the way is counted under its error code before it is raised,
+and every stream that opened is counted when it closes, so an adapter records
+nothing itself; it only converts its wire types and maps `SynthesisError`s to
+its own convention (errors.py). Errors raised before an adapter runs (an API
+key checked by middleware, a body FastAPI cannot parse) are counted with
+`Gateway.refused`. A new protocol is one more adapter module calling `admit`,
+plus its route or service registration in server.py.
 """
 
 from __future__ import annotations
@@ -26,9 +44,11 @@ from ..config import Config
 from ..metrics import ServingMetrics
 from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from ..synthesis import (
+    PROTOCOLS,
     AudioChunk,
     ClientStalledError,
     InvalidRequestError,
+    ProtocolName,
     ServiceUnavailableError,
     SynthesisError,
     SynthesisMetrics,
@@ -38,11 +58,10 @@ from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
     from ..service import TTSService
+    from ..stats import ServiceSnapshot
 
 log = logging.getLogger(__name__)
 
-ProtocolName = Literal["rest", "ws", "grpc"]
-PROTOCOLS: tuple[ProtocolName, ...] = ("rest", "ws", "grpc")
 
 
 class SpeechService(Protocol):
@@ -54,9 +73,9 @@ class SpeechService(Protocol):
     engine_alive: bool
 
     def saturation(self) -> str | None: ...
-    def validate(self, req: SynthesisRequest) -> SynthesisRequest: ...
     def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
     def stats(self) -> dict: ...
+    def snapshot(self) -> ServiceSnapshot: ...
     def add_observer(self, observer: Any) -> None: ...
 
 
@@ -136,7 +155,7 @@ class Gateway:
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self.started_at = time.time()
         self.shutting_down = False  # set by the server when shutdown begins; the service says the rest
-        self.metrics = ServingMetrics(service.stats, self.figures)
+        self.metrics = ServingMetrics(service.snapshot, self.figures)
         service.add_observer(self.metrics)
         # Compressed encoding, resampling and tempo cost milliseconds per chunk; PyAV releases the GIL while
         # it works, so they run here instead of on the event loop that serves every stream.
@@ -171,13 +190,14 @@ class Gateway:
         if not matched:
             raise UnauthorizedError("incorrect API key provided")
 
-    def prepare(self, request: SynthesisRequest, output: OutputOptions) -> tuple[SynthesisRequest, OutputOptions]:
-        """Validate both halves of a request; InvalidRequestError (with `param`) on anything wrong."""
+    @staticmethod
+    def check_output(output: OutputOptions) -> None:
+        """The gateway's half of a request (how its audio is encoded); InvalidRequestError if it cannot be.
+        The service validates the other half, once, when synthesis starts."""
         try:
             check_output_options(output.format, sample_rate=output.sample_rate, speed=output.speed)
         except AudioOptionError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
-        return self.service.validate(request), output
 
     def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
         """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
@@ -191,8 +211,34 @@ class Gateway:
             return "warming_up"
         return "saturated" if self.service.saturation() is not None else "ready"
 
-    def acquire_connection(self) -> ConnectionLease:
-        return self.limiter.acquire()
+    def acquire_connection(self, protocol: ProtocolName) -> ConnectionLease:
+        """One of server.max_connections, for a connection that carries many requests (a WebSocket)."""
+        try:
+            return self.limiter.acquire()
+        except TooManyConnectionsError as exc:
+            self.refused(protocol, exc)
+            raise
+
+    async def admit(self, protocol: ProtocolName, build: Callable[[], tuple[SynthesisRequest, OutputOptions]], *,
+                    received_at: float, hold_connection: bool = True,
+                    disconnected: Callable[[], Awaitable[object]] | None = None) -> SpeechStream | None:
+        """The admission path of every protocol (see the module docstring): a started stream, or None if
+        `disconnected()` returned first (the client left while queued; nothing is owed to it).
+
+        Raises SynthesisError, already counted, for anything refused. `build` is the adapter's wire
+        conversion and raises InvalidRequestError for a message it cannot convert. `hold_connection`:
+        the stream holds one of server.max_connections (False where the connection already holds one)."""
+        lease: ConnectionLease | None = None
+        try:
+            request, output = build()
+            self.check_output(output)
+            if hold_connection:
+                lease = self.limiter.acquire()
+        except SynthesisError as exc:
+            self.refused(protocol, exc)
+            raise
+        return await self.open_stream(request, output, protocol, received_at=received_at, lease=lease,
+                                      disconnected=disconnected)
 
     def reset_connection(self, client: Any) -> bool:
         """Drop the HTTP/WebSocket connection of a client that stopped reading, buffers and all.
@@ -238,7 +284,7 @@ class Gateway:
 
     def stream_closed(self, protocol: str, status: str) -> None:
         self._active[protocol] -= 1
-        self.record(protocol, status)
+        self._record(protocol, status)
         if not any(self._active.values()):
             self._idle.set()
 
@@ -250,8 +296,15 @@ class Gateway:
             return False
         return True
 
-    def record(self, protocol: str, status: str) -> None:
-        """Count one request outcome (also the ones refused before a stream opened)."""
+    def refused(self, protocol: str, error: SynthesisError) -> None:
+        """Count a request refused before a stream opened (streams count themselves when they close)."""
+        self._record(protocol, error.code)
+
+    def abandoned(self, protocol: str) -> None:
+        """Count a request a connection accepted but never started (it closed first): cancelled."""
+        self._record(protocol, "cancelled")
+
+    def _record(self, protocol: str, status: str) -> None:
         self._outcomes[(protocol, status)] += 1
         self.metrics.request_done(protocol, status)
 

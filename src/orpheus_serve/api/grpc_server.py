@@ -23,28 +23,20 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..proto import AUDIO_FORMAT_NAMES
+from ..proto import orpheus_pb2 as pb
+from ..proto import orpheus_pb2_grpc as pb_grpc
 from ..protocol import SAMPLE_RATE
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
 from ..validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
 from .gateway import Gateway, OutputOptions, voice_list
-from .proto import orpheus_pb2 as pb
-from .proto import orpheus_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "orpheus.v1.Synthesizer"
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 
-FORMATS: dict[int, str] = {
-    pb.AUDIO_FORMAT_UNSPECIFIED: "pcm",
-    pb.AUDIO_FORMAT_PCM: "pcm",
-    pb.AUDIO_FORMAT_WAV: "wav",
-    pb.AUDIO_FORMAT_MP3: "mp3",
-    pb.AUDIO_FORMAT_OPUS: "opus",
-    pb.AUDIO_FORMAT_AAC: "aac",
-    pb.AUDIO_FORMAT_FLAC: "flac",
-}
 
 
 class UndecodableRequest:
@@ -90,8 +82,10 @@ def _reject_unknown_fields(message: Message, path: str) -> None:
         raise InvalidRequestError(f"{path} has fields this server does not know: {numbers}", param=path)
 
 
-def request_from_proto(request: pb.SynthesizeRequest) -> tuple[SynthesisRequest, OutputOptions]:
+def request_from_proto(request: pb.SynthesizeRequest | UndecodableRequest) -> tuple[SynthesisRequest, OutputOptions]:
     """Protobuf -> service types. Shape errors here; content errors in TTSService.validate."""
+    _check_decoded(request)
+    assert isinstance(request, pb.SynthesizeRequest)
     _reject_unknown_fields(request, "SynthesizeRequest")
     if request.request_id:
         check_request_id(request.request_id)
@@ -101,7 +95,7 @@ def request_from_proto(request: pb.SynthesizeRequest) -> tuple[SynthesisRequest,
         for name in ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed"):
             if request.sampling.HasField(name):
                 sampling[name] = getattr(request.sampling, name)
-    fmt = FORMATS.get(request.format)
+    fmt = AUDIO_FORMAT_NAMES.get(request.format)
     if fmt is None:
         raise InvalidRequestError(f"unknown AudioFormat value {request.format}", param="format")
     fields: dict[str, Any] = {"text": request.text, **sampling}
@@ -147,21 +141,14 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
 
     async def Synthesize(self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[pb.SynthesizeResponse]:
-        received_at = time.perf_counter()
         try:
-            _check_decoded(request)
-            synthesis_request, output = self.gateway.prepare(*request_from_proto(request))
-            lease = self.gateway.acquire_connection()
-        except SynthesisError as exc:
-            self.gateway.record("grpc", exc.code)
-            await _abort(context, exc)
-        try:
-            stream = await self.gateway.open_stream(synthesis_request, output, "grpc", received_at=received_at,
-                                                    lease=lease)
+            stream = await self.gateway.admit("grpc", lambda: request_from_proto(request),
+                                              received_at=time.perf_counter())
         except SynthesisError as exc:
             await _abort(context, exc)
-        assert stream is not None
-        await context.send_initial_metadata((("x-request-id", synthesis_request.request_id),))
+        assert stream is not None  # no disconnect watcher: a cancelled call cancels this task instead
+        output = stream.output
+        await context.send_initial_metadata((("x-request-id", stream.request.request_id),))
         try:
             index = 0
             async for data in stream.audio():
@@ -206,7 +193,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             self.gateway.check_api_key(metadata.get("authorization"))
         except UnauthorizedError as exc:
             if handler_call_details.method.endswith("/Synthesize"):
-                self.gateway.record("grpc", exc.code)
+                self.gateway.refused("grpc", exc)
             return _denying_handler(handler, exc)
         return handler
 

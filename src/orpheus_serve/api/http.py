@@ -97,7 +97,7 @@ class ApiKeyMiddleware:
             self.gateway.check_api_key(authorization)
         except UnauthorizedError as exc:
             if scope["path"] in (SPEECH_PATH, STREAM_PATH):
-                self.gateway.record("rest" if scope["type"] == "http" else "ws", exc.code)
+                self.gateway.refused("rest" if scope["type"] == "http" else "ws", exc)
             if scope["type"] == "http":
                 await _send_json(send, 401, error_body(exc), {"WWW-Authenticate": "Bearer"})
             else:
@@ -301,7 +301,7 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
         if error.param is None and str(error).startswith("missing required parameter"):
             error = type(error)("the request body is missing; send a JSON object", param=None)
         if request.url.path == SPEECH_PATH:
-            gateway.record("rest", error.code)
+            gateway.refused("rest", error)
         return error_response(error)
 
     @app.exception_handler(SynthesisError)
@@ -312,7 +312,7 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and (parse_error := body_parse_error(exc.__cause__)) is not None:
             if request.url.path == SPEECH_PATH:
-                gateway.record("rest", parse_error.code)
+                gateway.refused("rest", parse_error)
             return error_response(parse_error)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
@@ -365,19 +365,13 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
 
     @app.post(SPEECH_PATH, response_class=StreamingResponse, responses=_SPEECH_RESPONSES)
     async def create_speech(body: SpeechRequestBody, request: Request) -> Response:
-        received_at = request.scope.get(RECEIVED_AT_KEY, time.perf_counter())
-        try:
-            synthesis_request, output = gateway.prepare(body.synthesis_request(), body.output_options())
-            lease = gateway.acquire_connection()
-        except SynthesisError as exc:
-            gateway.record("rest", exc.code)
-            raise
-        stream = await gateway.open_stream(synthesis_request, output, "rest", received_at=received_at, lease=lease,
-                                           disconnected=lambda: _client_disconnected(request))
+        stream = await gateway.admit("rest", lambda: (body.synthesis_request(), body.output_options()),
+                                     received_at=request.scope.get(RECEIVED_AT_KEY, time.perf_counter()),
+                                     disconnected=lambda: _client_disconnected(request))
         if stream is None:
             # The client left while queued; the session is cancelled and nobody reads this.
             return Response(status_code=499)
-        headers = {"X-Request-Id": synthesis_request.request_id, "Cache-Control": "no-cache"}
+        headers = {"X-Request-Id": stream.request.request_id, "Cache-Control": "no-cache"}
         if body.stream_format == "sse":
             return SpeechResponse(stream, _sse_events(stream), media_type="text/event-stream", headers=headers)
         return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)

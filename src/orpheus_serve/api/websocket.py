@@ -132,9 +132,8 @@ class StreamConnection:
 
     async def run(self) -> None:
         try:
-            lease = self.gateway.acquire_connection()
+            lease = self.gateway.acquire_connection("ws")
         except TooManyConnectionsError as exc:
-            self.gateway.record("ws", exc.code)
             await self.ws.accept()
             await self._send_error(exc)
             await self.ws.close(CLOSE_TRY_AGAIN_LATER)
@@ -155,7 +154,7 @@ class StreamConnection:
             if pending:
                 await asyncio.wait(pending)
             for _ in self._queued:  # accepted but never started: cancelled by the disconnect, counted as such
-                self.gateway.record("ws", "cancelled")
+                self.gateway.abandoned("ws")
             self._queued.clear()
             lease.release()
             if self._stalled:
@@ -234,17 +233,17 @@ class StreamConnection:
             request.speech_text()
         except ValidationError as exc:
             error = first_validation_error(list(exc.errors()), skip=())
-            self.gateway.record("ws", error.code)
+            self.gateway.refused("ws", error)
             await self._send_error(error, request_id)
             return True
         except InvalidRequestError as exc:
-            self.gateway.record("ws", exc.code)
+            self.gateway.refused("ws", exc)
             await self._send_error(exc, request_id)
             return True
         if self._accepted >= self.max_requests:
             error = RequestLimitError(f"this connection has served its {self.max_requests} requests "
                                       "(server.max_ws_requests_per_connection); open a new one")
-            self.gateway.record("ws", error.code)
+            self.gateway.refused("ws", error)
             await self._send_error(error, request_id)
             await self.ws.close(CLOSE_POLICY_VIOLATION)
             return False
@@ -278,13 +277,8 @@ class StreamConnection:
 
     async def _serve_request(self, job: _Job, synthesis_request: SynthesisRequest, request_id: str) -> None:
         try:
-            prepared, output = self.gateway.prepare(synthesis_request, job.request.output_options())
-        except SynthesisError as exc:
-            self.gateway.record("ws", exc.code)
-            await self._send_error(exc, request_id)
-            return
-        try:
-            stream = await self.gateway.open_stream(prepared, output, "ws", received_at=job.received_at)
+            stream = await self.gateway.admit("ws", lambda: (synthesis_request, job.request.output_options()),
+                                              received_at=job.received_at, hold_connection=False)
         except SynthesisError as exc:
             await self._send_error(exc, request_id)
             return

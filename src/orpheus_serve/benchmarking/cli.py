@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol import FRAME_SECONDS
+from ..synthesis import PROTOCOLS
 from .launch import LaunchedServer
 from .runner import (
     LoadSpec,
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=MODES, default="all")
     ap.add_argument("--requests", type=int, default=None, help="requests per load level (default: 2 x concurrency, >= 4)")
     ap.add_argument("--concurrent", type=int, default=16, help="highest concurrency (scaling, tuning, compare)")
-    ap.add_argument("--protocol", choices=("rest", "ws", "grpc", "mixed"), default="rest")
+    ap.add_argument("--protocol", choices=(*PROTOCOLS, "mixed"), default="rest")
     ap.add_argument("--output", type=Path, default=Path("results/results.json"))
     ap.add_argument("--url", default=None, help="measure this running server instead of starting one")
     ap.add_argument("--grpc-addr", default=None, help="its gRPC address (default: host of --url, port 50051)")
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scheduler.max_batch_size of the sim server: smaller steps for new sessions' first audio")
     ap.add_argument("--sim-admission", nargs="+", choices=("queue", "reject"), default=["queue", "reject"],
                     help="scheduler.admission modes to run the sim sweep with (one server each)")
-    ap.add_argument("--sim-protocol", choices=("rest", "ws", "grpc", "mixed"), default="grpc",
+    ap.add_argument("--sim-protocol", choices=(*PROTOCOLS, "mixed"), default="grpc",
                     help="protocol of the sim run (gRPC's client costs this machine the least CPU per stream)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")

@@ -31,12 +31,11 @@ from typing import Any
 
 import httpx
 
+from ..client.records import summarize
 from ..config import SimConfig
 from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
-from .streams import summarize
+from ..synthesis import PROTOCOLS
 from .workload import make_workload
-
-PROTOCOLS = ("rest", "ws", "grpc")
 
 
 @dataclass
@@ -68,7 +67,7 @@ class LoadSpec:
 async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None
                    ) -> tuple[list[Any], float]:
     """Closed loop: `spec.requests` requests, at most `spec.concurrency` in flight. Returns (results, wall_s)."""
-    from ..api.client import synthesize
+    from ..client.protocols import synthesize
 
     workload = make_workload(spec.requests, seed=spec.seed, mix=spec.text_mix, voices=spec.voice_mix,
                              max_chars=spec.max_chars)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -182,10 +181,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
 def frames_to_codes(frames: torch.Tensor) -> list[torch.Tensor]:
     """[B, n, 7] int64 frame codes -> SNAC's [c0 [B, n], c1 [B, 2n], c2 [B, 4n]]."""
     batch, n, _ = frames.shape
@@ -221,13 +216,3 @@ def decode_offline(model: SNAC, frames: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.float32)
     batch = torch.from_numpy(codes).to(model_device(model))[None]  # [1, n, 7]
     return decode_frames(model, batch)[0].float().cpu().numpy()
-
-
-def warm_up(model: SNAC, shapes: Iterable[tuple[int, int]]) -> None:
-    """Decode zeros once per (batch, frames) shape: compiles and autotunes before traffic arrives."""
-    device = model_device(model)
-    for batch, n in shapes:
-        decode_frames(model, torch.zeros((batch, n, TOKENS_PER_FRAME), dtype=torch.int64, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-

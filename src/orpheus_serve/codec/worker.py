@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..protocol import TOKENS_PER_FRAME
+from ..protocol import join_frames
 from .base import CodecPush, CodecResult, StreamingDecoder
 from .loader import check_frames
 
@@ -70,8 +70,6 @@ log = logging.getLogger(__name__)
 # Cancelled keys remembered to discard their late pushes; old entries are forgotten first.
 CLOSED_KEYS_REMEMBERED = 65536
 
-
-_NO_FRAMES = np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -102,7 +100,7 @@ class _Pending:
                 need = 0
         n = limit - need
         self.count -= n
-        frames = _NO_FRAMES if not taken else taken[0] if len(taken) == 1 else np.concatenate(taken, axis=0)
+        frames = join_frames(taken)
         return CodecPush(key, frames, self.final and self.count == 0)
 
 

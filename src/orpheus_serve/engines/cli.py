@@ -14,7 +14,7 @@ import json
 import sys
 
 from orpheus_serve import protocol as P
-from orpheus_serve.engines.base import PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
 
 
 def _ids(text: str) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import EngineError, TokenEngine
+from ..step import EngineError
+from .base import TokenEngine
 
 if TYPE_CHECKING:
     from ..config import Config

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from orpheus_serve.engines.base import EngineError
+from orpheus_serve.engines.vram_budget import LlamaDims
+from orpheus_serve.step import EngineError
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -103,11 +104,16 @@ class LlamaConfig:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def dims(self) -> LlamaDims:
+        """The shapes that decide memory, as the memory model (vram_budget.py) takes them."""
+        return LlamaDims(hidden_size=self.dim, num_layers=self.n_layers, num_attention_heads=self.n_heads,
+                         num_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                         intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                         tie_word_embeddings=self.tie_word_embeddings)
+
+    @property
     def num_parameters(self) -> int:
-        d, f, v = self.dim, self.intermediate_size, self.vocab_size
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
-        out = 0 if self.tie_word_embeddings else v * d
-        return v * d + self.n_layers * per_layer + d + out
+        return self.dims.total_params
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:

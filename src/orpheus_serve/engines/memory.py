@@ -1,4 +1,8 @@
-"""Memory planner: what a model and a slot count cost, and whether it fits.
+"""Memory planner of the torch engine: what a model and a slot count cost, and whether it fits.
+
+The sizes come from the one memory model, `vram_budget.py` (weights, KV cache per
+slot), which the TensorRT-LLM engine and its build use as well; this module adds
+what only the torch engine allocates and checks the plan against the device.
 
 Everything the torch engine allocates is known before it loads a byte: the weights
 (parameter count x dtype size), the KV cache (per slot:
@@ -17,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from orpheus_serve.engines.base import EngineError
+from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.llama import LlamaConfig
+from orpheus_serve.step import EngineError
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -29,7 +34,8 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_slot(config: LlamaConfig, max_seq_len: int, dtype: torch.dtype) -> int:
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
+    """The memory model's one formula (vram_budget.kv_bytes_per_slot), for a torch dtype."""
+    return vram_budget.kv_bytes_per_slot(config.dims, max_seq_len, dtype_bytes(dtype))
 
 
 def weights_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from orpheus_serve import protocol as P
-from orpheus_serve.engines.base import SamplingParams
+from orpheus_serve.step import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 
@@ -220,7 +220,7 @@ class SlotSamplingState:
         self.audio_hash = self.token_hash[audio].view(P.TOKENS_PER_FRAME, P.CODEBOOK_SIZE)
 
     def reset(self, slot: int, params: SamplingParams, seed: int) -> None:
-        """params as checked by `engines.base.sampling_problem`; seed in 0..2^64-1 (stored as its 64 bits)."""
+        """params as checked by `step.sampling_problem`; seed in 0..2^64-1 (stored as its 64 bits)."""
         self.temperature[slot] = max(params.temperature, 0.0)
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k

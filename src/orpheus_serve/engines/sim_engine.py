@@ -5,7 +5,7 @@ concurrency on a CPU. It does what a slot-batched engine does with a plan
 (release, chunked prefill, one decode step over the chosen slots) and checks
 the plan the same way a real engine would: a chunk out of order, a decode of
 an empty slot, a context past `max_seq_len` or sampling parameters it cannot
-take (`engines.base.sampling_problem`) fail that slot only. What can raise
+take (`step.sampling_problem`) fail that slot only. What can raise
 (a slot number outside the engine, making a new session's generator) happens
 before anything changes, so a step that raises leaves every session as it was.
 
@@ -34,7 +34,8 @@ import numpy as np
 
 from ..config import Config, SimConfig
 from ..protocol import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
-from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from .base import MemoryReport
 
 
 def h100_cost_model(*, realtime: bool = False, end_after_frames: int | None = None) -> SimConfig:

@@ -18,7 +18,7 @@ Start-up (nothing is allocated per request afterwards):
    token at its own position, then one sampling call per batch: one new token per slot.
 
 Per-slot problems (a sequence that would pass max_seq_len, a chunk out of order, an unknown
-slot, sampling parameters the engine cannot take: `engines.base.sampling_problem`) are checked
+slot, sampling parameters the engine cannot take: `step.sampling_problem`) are checked
 on the host before any compute and reported in `StepOutput.failed`; the other slots of the step
 are unaffected. The engine never ends a session by itself: end_of_speech and max_tokens are the
 scheduler's call.
@@ -52,18 +52,11 @@ import torch
 from torch import Tensor
 
 from orpheus_serve import protocol as P
-from orpheus_serve.engines.base import (
-    EngineError,
-    MemoryReport,
-    PrefillChunk,
-    SamplingParams,
-    StepOutput,
-    StepPlan,
-    sampling_problem,
-)
+from orpheus_serve.engines.base import MemoryReport
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
 from orpheus_serve.engines.memory import available_bytes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
+from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 
 if TYPE_CHECKING:
     from orpheus_serve.config import Config

@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 from ..config import Config, ConfigError, load_config
 from ..protocol import PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
-from .base import EngineError
+from ..step import EngineError
 from .trtllm_env import MANIFEST_FORMAT, MANIFEST_NAME, check_tensorrt_available, probe_trtllm_version
 from .vram_budget import (
     FP8_MIN_COMPUTE_CAPABILITY,

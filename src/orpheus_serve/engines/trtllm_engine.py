@@ -21,7 +21,7 @@ that condition, bounded by `step_wait_s`, until at least one diff, finish or
 error is there (no sleep-polling), and never waits when nothing is live.
 
 Failures of one request stay with it: sampling parameters the engine cannot
-take (`engines.base.sampling_problem`, checked before anything is submitted), a
+take (`step.sampling_problem`, checked before anything is submitted), a
 `ValueError` from `generate_async` (e.g. a prompt too long) or a per-request
 `RequestError` from the stream becomes `StepOutput.failed[slot]`; the other
 requests go on. Slot numbers are checked before anything changes, so a step
@@ -38,10 +38,12 @@ those two signals (plain attribute reads, no IPC) at every step, treats any
 exception from a stream that is not a `RequestError` as the executor's, and
 declares the executor dead when no request has heard anything for
 `executor_stall_s` while some are live. From then on every `step()` raises
-`ExecutorDeadError` with one message naming the cause: the engine core's
-dead-engine path (sessions failing alone with nothing succeeding) fails every
-open session with it, turns /ready to 503 `engine_failed` and stops admitting. A request the runtime ends
-itself (end_id, max_tokens, timeout) becomes `StepOutput.finished[slot]` with
+`ExecutorDeadError` (a `step.EngineDeadError`) with one message naming the
+cause: the engine core declares the engine dead at the first such step, fails
+every open session with it, turns /ready to 503 `engine_failed` and stops
+admitting.
+
+A request the runtime ends itself (end_id, max_tokens, timeout) becomes `StepOutput.finished[slot]` with
 the LLM API's reason ('stop', 'length', 'timeout', 'cancelled'). When it stops
 on end_id and the runtime left end_of_speech out of the output, it is appended,
 so the protocol parser downstream sees the same clean end as with the torch engine.
@@ -108,7 +110,8 @@ from ..protocol import (
     TOKENS_PER_FRAME,
     VOCAB_SIZE,
 )
-from .base import EngineError, MemoryReport, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..step import EngineDeadError, EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from .base import MemoryReport
 from .trtllm_env import MANIFEST_NAME, check_tensorrt_available, engine_mismatch, read_manifest
 from .vram_budget import ORPHEUS_3B, LlamaDims, kv_bytes_per_slot
 
@@ -129,7 +132,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 120.0
 
 
-class ExecutorDeadError(EngineError):
+class ExecutorDeadError(EngineDeadError):
     """TensorRT-LLM's executor can serve nothing any more (its worker or result thread died, or it shut
     down); every step raises this until the server is restarted."""
 

@@ -1,14 +1,16 @@
-"""Session scheduling over KV-cache slots (pure Python; no torch, no engine imports).
+"""Session scheduling over KV-cache slots (pure Python: no torch, and no engine, codec or api imports;
+the step types it plans come from `orpheus_serve.step`).
 
 See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
 (slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to
 the codec), `flow.py` (backpressure, admission, first push sizing),
 `capacity.py` (the running measure admission uses), `events.py` (what the
-caller acts on), `simulate.py` (virtual-clock policy comparison on the sim
-engine).
+caller acts on), `errors.py` (why `submit()` refuses a session).
+`benchmarking/simulate.py` runs it on a virtual clock against the sim engine.
 """
 
-from .events import FINISH_REASONS, FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .errors import AdmissionError, InvalidSessionError, SchedulerFullError
+from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
 from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
@@ -17,7 +19,7 @@ from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
 __all__ = [
-    "FINISH_REASONS",
+    "AdmissionError",
     "DeadlinePolicy",
     "FairPolicy",
     "FlowControl",
@@ -25,8 +27,10 @@ __all__ = [
     "FlushPolicy",
     "FrameBuffer",
     "FramesReady",
+    "InvalidSessionError",
     "Scheduler",
     "SchedulerEvent",
+    "SchedulerFullError",
     "SchedulerStats",
     "SchedulingPolicy",
     "Session",

@@ -8,8 +8,6 @@ import numpy as np
 
 from ..protocol import FRAME_SECONDS
 
-FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class FramesReady:

@@ -28,12 +28,11 @@ own lock. Pure Python.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 from ..config import SchedulerConfig
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .capacity import CapacityEstimate, CapacityModel
 from .flush import FlushPolicy
 from .session import Session, SessionState
@@ -217,14 +216,11 @@ class FlowControl:
         """Frames the first push waits for, so that its audible part covers `first_chunk_safety` times
         the wait for the next frame at the measured load (7 token intervals + the codec's latency).
         With headroom this is the policy's minimum; under load it grows by a frame or two."""
-        minimum = self._flush_policy.first_frames
         interval = self.capacity.token_interval_s(streams, self._mean_context)
         codec = self.capacity.codec_latency_s()
-        if interval is None or codec is None:
-            return minimum
-        wait_s = self.config.first_chunk_safety * (TOKENS_PER_FRAME * interval + codec)
-        needed = math.ceil((wait_s * SAMPLE_RATE + self._lookahead_samples) / SAMPLES_PER_FRAME)
-        return max(minimum, min(needed, self.config.max_undecoded_frames))
+        wait_s = None if interval is None or codec is None else (
+            self.config.first_chunk_safety * (TOKENS_PER_FRAME * interval + codec))
+        return self._flush_policy.first_push_frames(wait_s, self._lookahead_samples, self.config.max_undecoded_frames)
 
     # ------------------------------------------------------------ stats
 

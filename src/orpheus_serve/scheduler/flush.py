@@ -20,14 +20,15 @@ the network less per second of audio, and the buffer never drops below one push.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..protocol import TOKENS_PER_FRAME
+from ..protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, join_frames
 
-_NO_FRAMES = np.zeros((0, TOKENS_PER_FRAME), dtype=np.int64)
+MAX_PUSH_MULTIPLE = 4  # regular pushes grow to at most 4× flush_every_n_tokens when the client is far ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,35 @@ class FlushPolicy:
     def audible_frames(self, flushed_frames: int, final: bool) -> int:
         """Frames whose audio the codec can have produced after `flushed_frames` were pushed."""
         return flushed_frames if final else max(0, flushed_frames - self.lookahead_frames)
+
+    def first_push_frames(self, wait_s: float | None, lookahead_samples: int, max_frames: int) -> int:
+        """Frames the first push waits for, so that its audible part covers `wait_s` (the measured wait
+        for the next frame, with its safety factor): the policy's minimum while nothing is measured,
+        never more than `max_frames` (the codec backlog a session may have)."""
+        if wait_s is None:
+            return self.first_frames
+        needed = math.ceil((wait_s * SAMPLE_RATE + lookahead_samples) / SAMPLES_PER_FRAME)
+        return max(self.first_frames, min(needed, max_frames))
+
+    def push_frames(self, held_s: float | None, max_frames: int) -> int:
+        """Frames per regular push: `every_frames`, doubled (up to 4×) while the client holds at least
+        twice the larger push (`held_s` of unplayed audio; None before its first audio), so a deep
+        buffer takes fewer, bigger chunks. Never more than `max_frames`."""
+        if held_s is None:
+            return self.every_frames
+        held_pushes = held_s / (self.every_frames * FRAME_SECONDS)
+        multiple = 1
+        while multiple < MAX_PUSH_MULTIPLE and held_pushes >= 4 * multiple:
+            multiple *= 2
+        return min(self.every_frames * multiple, max_frames)
+
+    def buffer_is_thin(self, held_s: float | None, *, pushed: bool) -> bool:
+        """The client holds less audio than one regular push: frames should go out one by one. Before
+        the first push's audio reached the client (`held_s` None), the buffer is as thin as it gets."""
+        if held_s is None:
+            return pushed
+        # (less a microsecond, so that exactly one push's worth, summed frame by frame, is not thin)
+        return held_s < self.every_frames * FRAME_SECONDS - 1e-6
 
 
 @dataclass(slots=True)
@@ -96,12 +126,7 @@ class FrameBuffer:
         return self._take()
 
     def _take(self) -> np.ndarray:
-        if not self._pending:
-            frames = _NO_FRAMES
-        elif len(self._pending) == 1:
-            frames = self._pending[0]
-        else:
-            frames = np.concatenate(self._pending, axis=0)
+        frames = join_frames(self._pending)
         self._pending = []
         self._pending_frames = 0
         self.flushed_frames += int(frames.shape[0])

@@ -46,6 +46,16 @@ class SchedulingPolicy(Protocol):
         """At most `limit` of `candidates` (all decoding) to step now."""
         ...
 
+    def admission_order(self, waiting: Sequence[Session]) -> Sequence[Session]:
+        """The order in which waiting sessions take free slots (`waiting` is in arrival order)."""
+        ...
+
+
+def arrival_order(waiting: Sequence[Session]) -> Sequence[Session]:
+    """First come, first served: both policies admit in arrival order (a request's place in the
+    queue is what its client was promised by Retry-After and the queue bound)."""
+    return waiting
+
 
 @dataclass(frozen=True, slots=True)
 class FairPolicy:
@@ -61,6 +71,9 @@ class FairPolicy:
             return (0 if s.in_ttfb_priority(tokens) else 1, s.last_decoded_step, s.order)
 
         return heapq.nsmallest(limit, candidates, key=key)
+
+    def admission_order(self, waiting: Sequence[Session]) -> Sequence[Session]:
+        return arrival_order(waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +97,9 @@ class DeadlinePolicy:
             return (1, deadline, s.order)
 
         return heapq.nsmallest(limit, candidates, key=key)
+
+    def admission_order(self, waiting: Sequence[Session]) -> Sequence[Session]:
+        return arrival_order(waiting)
 
 
 def make_policy(config: SchedulerConfig, *, first_push_tokens: int = 0) -> SchedulingPolicy:

@@ -24,7 +24,7 @@ slot, as engines with in-flight batching produce them.
 
 Timeouts: a session waiting for a slot longer than `queue_timeout_s` (from
 its arrival) or holding one longer than `session_timeout_s` (from its
-admission) ends with "timeout". `submit()` refuses at once (QueueFullError,
+admission) ends with "timeout". `submit()` refuses at once (SchedulerFullError,
 with a retry hint) when every slot is taken and `max_queue` requests wait.
 
 Flow control (DESIGN §5a, `flow.py`): decoding sessions too far ahead of
@@ -59,10 +59,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..engines.base import PrefillChunk, StepOutput, StepPlan
-from ..protocol import FRAME_SECONDS, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
-from ..synthesis import InvalidRequestError, QueueFullError
+from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
+from ..step import PrefillChunk, StepOutput, StepPlan
 from .capacity import CapacityModel
+from .errors import InvalidSessionError, SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
@@ -70,7 +70,6 @@ from .policy import SchedulingPolicy, make_policy
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
-_MAX_PUSH_MULTIPLE = 4  # regular pushes grow to at most 4× flush_every_n_tokens when the client is far ahead
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 60.0
 _SESSION_S_SMOOTHING = 0.1  # weight of the newest session in the running mean used for retry hints
@@ -95,7 +94,7 @@ class SchedulerStats:
     cancelled: int
     failed: int
     timed_out: int
-    rejected: int  # QueueFullError at submit
+    rejected: int  # SchedulerFullError at submit
     stray_tokens: int  # ids that arrived for a slot with no live session (dropped)
 
     def as_dict(self) -> dict[str, int | float | str]:
@@ -170,18 +169,18 @@ class Scheduler:
         return self._flow.capacity
 
     def submit(self, req: SessionRequest) -> None:
-        """Queue a session. QueueFullError at once when every slot is taken and
-        `max_queue` requests already wait; InvalidRequestError for a request that
+        """Queue a session. SchedulerFullError at once when every slot is taken and
+        `max_queue` requests already wait; InvalidSessionError for a request that
         can never run (empty prompt, prompt too long, request id in use)."""
         if not req.prompt_ids:
-            raise InvalidRequestError("empty prompt", param="prompt_ids")
+            raise InvalidSessionError("empty prompt", param="prompt_ids")
         if req.sampling.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+            raise InvalidSessionError("max_tokens must be >= 1", param="max_tokens")
         token_limit = req.sampling.max_tokens
         if self._max_seq_len is not None:
             room = self._max_seq_len - len(req.prompt_ids)
             if room < 7:
-                raise InvalidRequestError(
+                raise InvalidSessionError(
                     f"prompt of {len(req.prompt_ids)} tokens leaves no room for audio within "
                     f"max_seq_len={self._max_seq_len}",
                     param="input",
@@ -190,8 +189,8 @@ class Scheduler:
             token_limit = min(token_limit, room - room % TOKENS_PER_FRAME)
         with self._lock:
             if req.request_id in self._waiting or req.request_id in self._admitted:
-                raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
-            continuation = req.playback_start_s is not None  # part of a stream already playing: never refused
+                raise InvalidSessionError(f"request id {req.request_id!r} is already in use", param="request_id")
+            continuation = req.is_continuation  # part of a stream already playing: never refused
             if self._config.admission == "reject" and not continuation:
                 # Behind a load balancer: past the measured capacity, refuse at once so the client goes
                 # elsewhere. (While a cold server ramps up to what it has not measured yet, requests wait.)
@@ -199,7 +198,7 @@ class Scheduler:
                 if capacity is not None and self._flow.demand(self._admitted.values()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
                     retry = self._retry_after_s(len(self._waiting))
-                    raise QueueFullError(
+                    raise SchedulerFullError(
                         f"server at capacity: {capacity} real-time streams are running (scheduler.admission="
                         f"reject); retry in {retry:.1f} s",
                         retry_after_s=retry,
@@ -214,7 +213,7 @@ class Scheduler:
             if queued >= self._config.max_queue and not continuation:
                 self._counts["rejected"] += 1
                 retry = self._retry_after_s(queued)
-                raise QueueFullError(
+                raise SchedulerFullError(
                     f"server busy: {self._busy_reason(limit)} and {max(queued, 0)} requests are already waiting "
                     f"(max_queue={self._config.max_queue}); retry in {retry:.1f} s",
                     retry_after_s=retry,
@@ -242,14 +241,6 @@ class Scheduler:
                 reason, SessionState.CANCELLED
             )
             self._end(session, state, reason, self._clock(), self._events)
-
-    def fail_running(self, error: str) -> None:
-        """The engine failed as a whole: fail every session holding a slot.
-        Waiting sessions stay queued for whatever engine runs next."""
-        with self._lock:
-            now = self._clock()
-            for session in list(self._admitted.values()):
-                self._fail(session, error, now, self._events)
 
     # ------------------------------------------------------------ engine side
 
@@ -418,7 +409,7 @@ class Scheduler:
 
     def _plan_prefill(self, plan: StepPlan, now: float) -> None:
         budget = self._config.prefill_chunk_tokens
-        # Prompts already started go on first (admission order), then new admissions (FIFO).
+        # Prompts already started go on first (admission order), then new admissions (the policy's order).
         for session in self._admitted.values():
             if budget <= 0:
                 return
@@ -428,10 +419,10 @@ class Scheduler:
             return
         capacity = self._flow.admission_limit(self._admitted.values(), self._step)
         demand = self._flow.demand(self._admitted.values()) if capacity is not None else 0
-        for session in list(self._waiting.values()):
+        for session in self._policy.admission_order(list(self._waiting.values())):
             if budget <= 0 or not self._slots.free_count:
                 return
-            continuation = session.request.playback_start_s is not None
+            continuation = session.request.is_continuation
             if capacity is not None and not continuation and demand >= capacity:
                 self._flow.admission_waited()
                 continue  # over capacity: new streams wait; continuations of playing streams go on
@@ -517,33 +508,15 @@ class Scheduler:
         else:
             if session.first_frames is None and session.buffer.pending_frames >= self._flush_policy.first_frames:
                 session.first_frames = self._flow.first_push_frames(len(self._admitted))
-            ready = session.buffer.take_ready(eager=self._buffer_is_thin(session, now),
-                                              every_frames=self._push_frames(session, now),
-                                              first_frames=session.first_frames)
+            held_s = None if session.playback_end_s is None else session.playback_end_s - now
+            policy = self._flush_policy
+            ready = session.buffer.take_ready(
+                eager=policy.buffer_is_thin(held_s, pushed=session.first_flush_at is not None),
+                every_frames=policy.push_frames(held_s, self._config.max_undecoded_frames),
+                first_frames=session.first_frames)
             if ready is not None:
                 self._flow.pushed(session, int(ready.shape[0]), now, final=False)
                 events.append(FramesReady(session.request_id, ready, final=False))
-
-    def _push_frames(self, session: Session, now: float) -> int:
-        """Frames per regular push: the policy's, doubled (up to 4×) while the client holds at least
-        twice the larger push, so a deep buffer takes fewer, bigger chunks. Never more than the
-        codec backlog a session may have (max_undecoded_frames)."""
-        every = self._flush_policy.every_frames
-        if session.playback_end_s is None:
-            return every
-        held_pushes = (session.playback_end_s - now) / (every * FRAME_SECONDS)
-        multiple = 1
-        while multiple < _MAX_PUSH_MULTIPLE and held_pushes >= 4 * multiple:
-            multiple *= 2
-        return min(every * multiple, self._config.max_undecoded_frames)
-
-    def _buffer_is_thin(self, session: Session, now: float) -> bool:
-        """The client holds less audio than one regular push: frames should go out one by one."""
-        if session.playback_end_s is None:
-            # After the first push and before its audio reached the client, the buffer is as thin as it gets.
-            return session.first_flush_at is not None
-        # (less a microsecond, so that exactly one push's worth, summed frame by frame, is not thin)
-        return session.playback_end_s - now < self._flush_policy.every_frames * FRAME_SECONDS - 1e-6
 
     def _complete(self, session: Session, reason: str, now: float, events: list[SchedulerEvent]) -> None:
         """stop / length: hand out every frame left, then end."""

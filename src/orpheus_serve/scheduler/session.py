@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..engines.base import SamplingParams
 from ..protocol import SAMPLE_RATE, FrameParser
+from ..step import SamplingParams
 from .flush import FrameBuffer
 
 PRIORITY_FIRST_AUDIO = 1.0  # engine priority before a session's first audio (TTFB boost)

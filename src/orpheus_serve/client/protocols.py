@@ -27,12 +27,13 @@ import websockets
 from websockets.asyncio.client import connect as ws_connect
 
 from ..audio import AUDIO_FORMATS, decode_audio, wav_header
-from ..benchmarking.streams import StreamRecord
+from ..proto import AUDIO_FORMAT_NUMBERS
+from ..proto import orpheus_pb2 as pb
+from ..proto import orpheus_pb2_grpc as pb_grpc
 from ..protocol import SAMPLE_RATE
-from .proto import orpheus_pb2 as pb
-from .proto import orpheus_pb2_grpc as pb_grpc
+from ..synthesis import PROTOCOLS
+from .records import StreamRecord
 
-PROTOCOLS = ("rest", "ws", "grpc")
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_GRPC_ADDR = "127.0.0.1:50051"
 STREAM_PATH = "/v1/audio/stream"
@@ -40,8 +41,6 @@ STREAM_PATH = "/v1/audio/stream"
 _REJECTED_HTTP = {429, 503}
 _REJECTED_CODES = {"server_busy", "too_many_connections", "unavailable"}
 _REJECTED_GRPC = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
-_GRPC_FORMATS = {"pcm": pb.AUDIO_FORMAT_PCM, "wav": pb.AUDIO_FORMAT_WAV, "mp3": pb.AUDIO_FORMAT_MP3,
-                 "opus": pb.AUDIO_FORMAT_OPUS, "aac": pb.AUDIO_FORMAT_AAC, "flac": pb.AUDIO_FORMAT_FLAC}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed")
 
 
@@ -207,7 +206,7 @@ async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, 
                           **sampling: Any) -> ClientResult:
     """orpheus.v1.Synthesizer/Synthesize, server-streaming."""
     options = _sampling(sampling)
-    request = pb.SynthesizeRequest(text=text, voice=voice or "", format=_GRPC_FORMATS[fmt],
+    request = pb.SynthesizeRequest(text=text, voice=voice or "", format=AUDIO_FORMAT_NUMBERS[fmt],
                                    sample_rate=sample_rate, speed=speed,
                                    sampling=pb.SamplingOptions(**options) if options else None)
     result = ClientResult("grpc", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from orpheus_serve.api.proto import orpheus_pb2 as orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2
+from orpheus_serve.proto import orpheus_pb2 as orpheus__serve_dot_proto_dot_orpheus__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in orpheus_serve/api/proto/orpheus_pb2_grpc.py depends on'
+        + ' but the generated code in orpheus_serve/proto/orpheus_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class SynthesizerStub:
         """
         self.Synthesize = channel.unary_stream(
                 '/orpheus.v1.Synthesizer/Synthesize',
-                request_serializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.SynthesizeRequest.SerializeToString,
-                response_deserializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.SynthesizeResponse.FromString,
+                request_serializer=orpheus__serve_dot_proto_dot_orpheus__pb2.SynthesizeRequest.SerializeToString,
+                response_deserializer=orpheus__serve_dot_proto_dot_orpheus__pb2.SynthesizeResponse.FromString,
                 _registered_method=True)
         self.ListVoices = channel.unary_unary(
                 '/orpheus.v1.Synthesizer/ListVoices',
-                request_serializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.ListVoicesRequest.SerializeToString,
-                response_deserializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.ListVoicesResponse.FromString,
+                request_serializer=orpheus__serve_dot_proto_dot_orpheus__pb2.ListVoicesRequest.SerializeToString,
+                response_deserializer=orpheus__serve_dot_proto_dot_orpheus__pb2.ListVoicesResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_SynthesizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Synthesize': grpc.unary_stream_rpc_method_handler(
                     servicer.Synthesize,
-                    request_deserializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.SynthesizeRequest.FromString,
-                    response_serializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.SynthesizeResponse.SerializeToString,
+                    request_deserializer=orpheus__serve_dot_proto_dot_orpheus__pb2.SynthesizeRequest.FromString,
+                    response_serializer=orpheus__serve_dot_proto_dot_orpheus__pb2.SynthesizeResponse.SerializeToString,
             ),
             'ListVoices': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVoices,
-                    request_deserializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.ListVoicesRequest.FromString,
-                    response_serializer=orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.ListVoicesResponse.SerializeToString,
+                    request_deserializer=orpheus__serve_dot_proto_dot_orpheus__pb2.ListVoicesRequest.FromString,
+                    response_serializer=orpheus__serve_dot_proto_dot_orpheus__pb2.ListVoicesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Synthesizer:
             request,
             target,
             '/orpheus.v1.Synthesizer/Synthesize',
-            orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.SynthesizeRequest.SerializeToString,
-            orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.SynthesizeResponse.FromString,
+            orpheus__serve_dot_proto_dot_orpheus__pb2.SynthesizeRequest.SerializeToString,
+            orpheus__serve_dot_proto_dot_orpheus__pb2.SynthesizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Synthesizer:
             request,
             target,
             '/orpheus.v1.Synthesizer/ListVoices',
-            orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.ListVoicesRequest.SerializeToString,
-            orpheus__serve_dot_api_dot_proto_dot_orpheus__pb2.ListVoicesResponse.FromString,
+            orpheus__serve_dot_proto_dot_orpheus__pb2.ListVoicesRequest.SerializeToString,
+            orpheus__serve_dot_proto_dot_orpheus__pb2.ListVoicesResponse.FromString,
             options,
             channel_credentials,
             insecure,

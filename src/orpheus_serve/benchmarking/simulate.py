@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SchedulerConfig, SimConfig
-from ..engines.base import SamplingParams
 from ..engines.sim_engine import SimEngine
 from ..protocol import FRAME_SECONDS, TEXT_VOCAB_SIZE, TOKENS_PER_FRAME
-from ..synthesis import QueueFullError
-from .events import FramesReady, SchedulerEvent, SessionFinished
-from .flush import FlushPolicy
-from .scheduler import Scheduler
-from .session import SessionRequest
+from ..scheduler.errors import SchedulerFullError
+from ..scheduler.events import FramesReady, SchedulerEvent, SessionFinished
+from ..scheduler.flush import FlushPolicy
+from ..scheduler.scheduler import Scheduler
+from ..scheduler.session import SessionRequest
+from ..step import SamplingParams
 
 _EPS = 1e-9
 
@@ -211,7 +211,7 @@ def simulate(setup: SimulationSetup, workload: Workload) -> SimulationResult:
             next_arrival += 1
             try:
                 scheduler.submit(req)
-            except QueueFullError:
+            except SchedulerFullError:
                 result.rejected += 1
                 continue
             streams[req.request_id] = StreamResult(req.request_id, req.arrival_s)

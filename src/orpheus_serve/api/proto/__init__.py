@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of orpheus.proto (regenerate with scripts/gen_proto.sh)."""

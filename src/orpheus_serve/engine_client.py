@@ -1,0 +1,254 @@
+"""The engine-core client: the one seam between the service's asyncio side and the engine core.
+
+As vLLM keeps `EngineCoreClient` between its API server and `EngineCore`, the
+service talks to the engine core only through `EngineCoreClient`:
+
+    submit(SessionRequest)        queue a session (the scheduler's AdmissionError if refused)
+    outputs(session_id)           its outputs, in order, on the event loop: PCM bytes, then SessionDone
+    note_delivered(id, samples)   the consumer took audio (flow control's delivery feedback)
+    cancel(session_id)            stop it; its slot is freed at the next step
+    release(session_id)           forget its outputs (after its end, or once cancelled)
+    stats()                       typed figures: EngineCoreStats
+
+What crosses the seam is plain data (the request dataclass, PCM bytes, a
+`SessionDone` record, a stats dataclass), so an engine core in another
+process is a second implementation of this protocol, not a rewrite.
+
+`InprocClient` runs the engine core and the codec worker as threads of this
+process:
+
+    engine core thread: schedule -> engine.step -> update
+       FramesReady ──────────────▶ codec worker thread (batched SNAC decode)
+       Session{Finished,Failed} ─┐                  │ CodecResult -> PCM16 bytes
+                                 ▼                  ▼
+            loop.call_soon_threadsafe(  per-session asyncio.Queue  )
+
+Items from both threads reach the loop in batches: one wake-up per batch of
+codec results instead of one per result. The mailboxes stay bounded because
+the scheduler holds back sessions whose client has not taken their audio
+(`max_server_buffer_s` plus one push).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import protocol
+from .codec.base import CodecResult, StreamingDecoder
+from .codec.worker import CodecWorker
+from .config import Config
+from .engine_core import EngineCore
+from .engines.base import MemoryReport, TokenEngine
+from .scheduler import (
+    FlowStats,
+    FramesReady,
+    Scheduler,
+    SchedulerEvent,
+    SchedulerStats,
+    SessionFailed,
+    SessionFinished,
+    SessionRequest,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDone:
+    """The end of one part of a session's output. `reason` "audio": the codec's last audio is out;
+    a finish reason ("end_of_speech", "length", ...): generation finished; "error", "timeout",
+    "cancelled": the session failed, with `error` saying why where there is a message."""
+
+    reason: str
+    tokens: int = 0
+    frames: int = 0
+    queue_s: float = 0.0
+    error: str | None = None
+
+
+SessionOutput = bytes | SessionDone
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreStats:
+    scheduler: SchedulerStats
+    flow: FlowStats
+    codec: dict[str, Any]
+    codec_backlog_frames: int
+    codec_oldest_pending_s: float
+    memory: MemoryReport
+    engine_alive: bool
+    engine_failure: str | None
+    steps: int
+    step_errors: int
+    busy_s: float
+
+
+class EngineCoreClient(Protocol):
+    @property
+    def engine_alive(self) -> bool: ...
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+    def shutdown(self) -> None: ...
+    def submit(self, request: SessionRequest) -> None: ...
+    def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]: ...
+    def note_delivered(self, session_id: str, samples: int) -> None: ...
+    def cancel(self, session_id: str) -> None: ...
+    def release(self, session_id: str) -> None: ...
+    def open_sessions(self) -> list[str]: ...
+    def stats(self) -> EngineCoreStats: ...
+
+
+def audible_lookahead(decoder: StreamingDecoder) -> int:
+    """Frames that must follow the first frame before the decoder returns any audio.
+
+    A windowed decoder emits whole frames: its lookahead. The stateful decoder
+    returns every sample that is final, so audio starts once the frames pushed
+    cover its lookahead in samples (4757 for snac_24khz: after 3 frames, 21
+    tokens, not 4). The scheduler's first flush waits for this many frames."""
+    samples = getattr(decoder, "lookahead_samples", None)
+    if samples is None:
+        return decoder.lookahead_frames
+    return samples // protocol.SAMPLES_PER_FRAME
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """float32 [-1, 1] -> 16-bit little-endian PCM."""
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+class InprocClient:
+    """The engine core and codec worker as threads of this process (see the module docstring)."""
+
+    def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder, *, codec_device: str = "cpu",
+                 on_frames: Callable[[FramesReady], None] | None = None,
+                 on_event: Callable[[SchedulerEvent], None] | None = None) -> None:
+        self._engine = engine
+        lookahead = audible_lookahead(decoder)
+        self._scheduler = Scheduler(
+            config.scheduler, engine.num_slots, lookahead_frames=lookahead, max_seq_len=engine.max_seq_len,
+            lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * protocol.SAMPLES_PER_FRAME),
+            delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
+            max_pass_s=config.codec.max_pass_ms / 1000,
+        )
+        self._codec = CodecWorker(
+            decoder, self._on_codec_result, max_batch=config.codec.max_batch,
+            max_frames_per_pass=config.codec.max_frames_per_pass,
+            max_frames_per_session=config.codec.max_frames_per_session,
+            max_pass_s=config.codec.max_pass_ms / 1000,
+            held_audio_s=self._scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
+        )
+        self._tap = on_event  # optional tap (token logs for tooling), on the engine core thread
+        self._core = EngineCore(self._scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: list[tuple[str, SessionOutput]] = []
+        self._inbox_lock = threading.Lock()
+        self._drain_scheduled = False
+        self._mailboxes: dict[str, asyncio.Queue[SessionOutput]] = {}
+
+    # ------------------------------------------------------------ the protocol
+
+    @property
+    def engine_alive(self) -> bool:
+        return self._core.engine_alive
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._codec.start()
+        self._core.start()
+
+    def shutdown(self) -> None:
+        self._core.stop()
+        self._codec.stop(5.0)
+        self._engine.close()
+
+    def submit(self, request: SessionRequest) -> None:
+        self._mailboxes[request.request_id] = asyncio.Queue()
+        try:
+            self._core.submit(request)
+        except BaseException:
+            del self._mailboxes[request.request_id]
+            raise
+
+    def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]:
+        return self._mailboxes[session_id]
+
+    def note_delivered(self, session_id: str, samples: int) -> None:
+        self._scheduler.note_delivered(session_id, samples)
+        self._core.wake()
+
+    def cancel(self, session_id: str) -> None:
+        self._core.cancel(session_id, "cancelled")
+
+    def release(self, session_id: str) -> None:
+        self._mailboxes.pop(session_id, None)
+
+    def open_sessions(self) -> list[str]:
+        return list(self._mailboxes)
+
+    def stats(self) -> EngineCoreStats:
+        backlog_frames, oldest_s = self._codec.backlog()
+        return EngineCoreStats(
+            scheduler=self._core.scheduler_stats(), flow=self._scheduler.flow_stats(), codec=self._codec.stats(),
+            codec_backlog_frames=backlog_frames, codec_oldest_pending_s=oldest_s,
+            memory=self._engine.memory_report(), engine_alive=self._core.engine_alive,
+            engine_failure=self._core.engine_failure, steps=self._core.steps, step_errors=self._core.step_errors,
+            busy_s=self._core.busy_s,
+        )
+
+    # ------------------------------------------- from the engine core and codec threads
+
+    def _on_scheduler_event(self, event: SchedulerEvent) -> None:
+        if self._tap is not None:
+            self._tap(event)
+        if isinstance(event, SessionFailed):
+            done = SessionDone(reason="error", error=event.error)
+        elif isinstance(event, SessionFinished):
+            if event.reason == "error":
+                return  # SessionFailed already carried the error
+            done = SessionDone(reason=event.reason, tokens=event.tokens, frames=event.frames, queue_s=event.queue_s)
+        else:
+            return
+        self._post(event.request_id, done)
+
+    def _on_codec_pass(self, frames: int, seconds: float) -> None:
+        """After each pass: measure it, and let held-back sessions go on."""
+        self._scheduler.record_codec_pass(frames, seconds)
+        self._core.wake()
+
+    def _on_codec_result(self, result: CodecResult) -> None:
+        """Converts to PCM here, off the loop."""
+        key = str(result.key)
+        self._scheduler.note_decoded(key, result.frames, int(result.pcm.size),
+                                     final=result.final or result.error is not None)
+        if result.error:
+            self._post(key, SessionDone(reason="error", error=f"codec error: {result.error}"))
+            return
+        if result.pcm.size:
+            self._post(key, pcm16(result.pcm))
+        if result.final:
+            self._post(key, SessionDone(reason="audio"))
+
+    def _post(self, key: str, item: SessionOutput) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with self._inbox_lock:
+            self._inbox.append((key, item))
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        loop.call_soon_threadsafe(self._drain_inbox)
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            items, self._inbox = self._inbox, []
+            self._drain_scheduled = False
+        for key, item in items:
+            mailbox = self._mailboxes.get(key)
+            if mailbox is not None:  # None: the client left; its session is being cancelled
+                mailbox.put_nowait(item)

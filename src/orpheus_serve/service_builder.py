@@ -1,0 +1,106 @@
+"""Wiring: a `TTSService` from config (tokenizer, engine, codec, the in-process engine-core client).
+
+`build_service(config)` is what the server and the tools call; `assemble_service`
+takes an engine and decoder already built (tests, tools with their own engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from .codec.base import StreamingDecoder
+from .config import Config
+from .engine_client import InprocClient
+from .engines.base import TokenEngine
+from .scheduler import FramesReady, SchedulerEvent, SessionFinished
+from .service import TTSService
+from .synthesis import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class TokenLog(dict[str, dict[str, Any]]):
+    """session id -> text, prompt ids, frames and finish reason of every session (tooling: --tokens-out,
+    and tests that compare streamed audio with an offline decode of the same frames)."""
+
+    def record(self, session_id: str, text: str, prompt_ids: tuple[int, ...]) -> None:
+        self[session_id] = {"text": text, "prompt_ids": list(prompt_ids), "frames": [], "finish_reason": None}
+
+    def on_frames(self, event: FramesReady) -> None:
+        """Engine core thread."""
+        entry = self.get(event.request_id)
+        if entry is not None:
+            entry["frames"].extend(event.frames.tolist())
+
+    def on_event(self, event: SchedulerEvent) -> None:
+        """Engine core thread."""
+        if isinstance(event, SessionFinished) and event.request_id in self:
+            self[event.request_id]["finish_reason"] = event.reason
+
+
+def assemble_service(config: Config, *, engine: TokenEngine, decoder: StreamingDecoder, tokenizer: Any,
+                     model_info: ModelInfo, codec_device: str = "cpu", record_tokens: bool = False) -> TTSService:
+    token_log = TokenLog() if record_tokens else None
+    client = InprocClient(config, engine, decoder, codec_device=codec_device,
+                          on_frames=token_log.on_frames if token_log is not None else None,
+                          on_event=token_log.on_event if token_log is not None else None)
+    return TTSService(config, client=client, tokenizer=tokenizer, model_info=model_info,
+                      max_seq_len=engine.max_seq_len, token_log=token_log)
+
+
+def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
+    """Build tokenizer, engine and codec from config, falling back to the tiny models if needed."""
+    from .codec import build_decoder, load_snac
+    from .codec.sim import SimDecoder
+    from .config import apply_engine_mode, resolve_device, resolve_dtype
+    from .engines.factory import check_backend, create_engine
+    from .models import resolve_model_paths
+
+    config = apply_engine_mode(config)
+    check_backend(config)
+    paths = resolve_model_paths(config)
+    if paths.warning:
+        log.warning("!" * 72)
+        log.warning(paths.warning)
+        log.warning("!" * 72)
+    engine_cfg = config.engine.model_copy(update={"model_path": str(paths.model_path)})
+    config = config.model_copy(update={"engine": engine_cfg})
+    tokenizer = load_tokenizer(paths.tokenizer_path)
+    engine = create_engine(config)
+    codec_device = resolve_device(config.codec.device)
+    if config.codec.decoder == "sim":
+        sim = config.codec.sim
+        decoder: StreamingDecoder = SimDecoder(base_ms=sim.base_ms, per_frame_ms=sim.per_frame_ms,
+                                               realtime=sim.realtime)
+    else:
+        snac = load_snac(
+            str(paths.codec_path),
+            device=codec_device,
+            dtype=resolve_dtype(config.codec.dtype, codec_device, cuda_default="fp16"),
+            noise=config.codec.noise,
+            seed=config.codec.seed,
+            compile=config.codec.compile,
+        )
+        decoder = build_decoder(config.codec, snac)
+    info = ModelInfo(
+        id="orpheus-tiny" if paths.tiny else Path(paths.model_path).name,
+        backend=config.engine.backend,
+        model_path=str(paths.model_path),
+        codec_path=str(paths.codec_path),
+        tiny=paths.tiny,
+        warning=paths.warning,
+    )
+    return assemble_service(config, engine=engine, decoder=decoder, tokenizer=tokenizer, model_info=info,
+                            codec_device=codec_device, record_tokens=record_tokens)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A `tokenizers.Tokenizer` from a Hugging Face folder (tokenizer.json)."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    return Tokenizer.from_file(str(file))
