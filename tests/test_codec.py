@@ -21,7 +21,7 @@ from orpheus_serve import protocol as P
 from orpheus_serve.codec import CodecPush, CodecResult, CodecWorker, WindowedDecoder, build_decoder
 from orpheus_serve.codec.loader import DisabledNoiseBlock, decode_offline, load_snac
 from orpheus_serve.codec.windowed import Window, WindowBatcher
-from orpheus_serve.config import load_config
+from orpheus_serve.config import CodecConfig, load_config
 
 FRAMES = 24
 DEFAULTS = load_config().codec
@@ -399,14 +399,19 @@ def test_decode_cli_round_trip(tmp_path: Path, tiny_snac: Path, snac) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decoder", ["windowed", "stateful"])
 @pytest.mark.parametrize(("dtype", "min_db"), [("fp32", 40.0), ("fp16", 25.0)])
-def test_worker_on_cuda_matches_cpu_offline(tiny_snac: Path, snac, dtype: str, min_db: float) -> None:
+def test_worker_on_cuda_matches_cpu_offline(tiny_snac: Path, snac, dtype: str, min_db: float, decoder: str) -> None:
     """The worker's own stream, pinned staging and async copies give the CPU one-shot audio
-    (within TF32 / FP16 rounding)."""
+    (within TF32 / FP16 rounding), with the decoder built while the default stream is still busy."""
     model = load_snac(tiny_snac, device="cuda", dtype=dtype, noise=False)
     utterances = {f"s{i}": random_frames(7, seed=80 + i) for i in range(3)}
     collector = Collector(expected=len(utterances))
-    worker = CodecWorker(WindowedDecoder(model, left_context_frames=3, lookahead_frames=2), collector, device="cuda")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(40):  # a few hundred ms queued on the default stream, not waited for
+        busy = torch.tanh(busy @ busy) * 0.01
+    codec_cfg = CodecConfig(decoder=decoder, noise=False, device="cuda", dtype=dtype)
+    worker = CodecWorker(build_decoder(codec_cfg, model), collector, device="cuda")
     worker.start()
     for start in range(0, 7, 2):
         for key, frames in utterances.items():

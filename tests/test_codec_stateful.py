@@ -301,3 +301,47 @@ def test_cuda_streaming_matches_cuda_one_shot(model, dtype: torch.dtype, min_snr
     audio = np.concatenate(stream_alone(decoder, frames, 2))
     assert audio.shape == (12 * SPF,)
     assert snr_db(one_shot(gpu_model, frames), audio) >= min_snr
+
+
+def test_seeded_noise_is_reproducible_and_the_seed_matters(model) -> None:
+    frames = random_frames(6, seed=62)
+
+    def noisy(seed: int | None) -> np.ndarray:
+        return np.concatenate(stream_alone(StatefulDecoder(model, noise=True, seed=seed), frames, 2))
+
+    first, again, other = noisy(7), noisy(7), noisy(8)
+    assert np.array_equal(first, again)  # codec.seed: the same pushes give the same audio, run after run
+    assert not np.array_equal(first, other)
+    assert snr_db(one_shot(model, frames), first) < 60  # and it is noise, not a no-op
+
+
+def _busy_default_stream() -> torch.Tensor:
+    """Queue a few hundred ms of work on the default stream and return without waiting for it."""
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(40):
+        x = torch.tanh(x @ x) * 0.01
+    return x
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp16_decoder_against_fp32_on_the_same_codes(model, device: str) -> None:
+    """FP16 SNAC (the CUDA default) against FP32 on the same codes: what the half-precision codec costs."""
+    frames = random_frames(16, seed=82)
+    reference = np.concatenate(stream_alone(StatefulDecoder(copy.deepcopy(model).to(device)), frames, 2))
+    half = np.concatenate(stream_alone(StatefulDecoder(copy.deepcopy(model).to(device, torch.float16)), frames, 2))
+    snr = snr_db(reference.astype(np.float64), half)
+    print(f"\nstateful SNAC on {device}: FP16 vs FP32 on the same codes, SNR {snr:.1f} dB")
+    assert snr >= 40
+
+
+@pytest.mark.gpu
+def test_decoder_built_on_a_busy_default_stream_decodes_on_another(model) -> None:
+    """Everything the constructor queued (latent tables, state pool) is done before another stream reads it."""
+    frames = random_frames(8, seed=83)
+    expected = np.concatenate(stream_alone(StatefulDecoder(model), frames, 2))
+    gpu_model = copy.deepcopy(model).to("cuda")
+    _busy_default_stream()
+    decoder = StatefulDecoder(gpu_model)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        audio = np.concatenate(stream_alone(decoder, frames, 2))
+    assert snr_db(expected.astype(np.float64), audio) >= 40  # TF32 convolutions at most

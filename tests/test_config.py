@@ -88,3 +88,10 @@ def test_max_tokens_scale_with_text_and_are_whole_frames() -> None:
     assert short % 7 == 0 and long_ % 7 == 0
     assert short == s.min_tokens - s.min_tokens % 7
     assert long_ > short
+
+
+def test_codec_compile_is_refused_where_it_would_do_nothing() -> None:
+    # The stateful decoder runs its own streaming ops, not SNAC's modules that torch.compile wraps.
+    with pytest.raises(ConfigError, match="compile applies to the windowed and reference decoders"):
+        load_config(overrides=["codec.compile=true"])
+    assert load_config(overrides=["codec.compile=true", "codec.decoder=windowed"]).codec.compile

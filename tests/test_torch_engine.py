@@ -326,9 +326,36 @@ def test_memory_planner_sizes_and_refusal(tiny_orpheus: Path) -> None:
                           max_batch_size=16, budget_bytes=budget)
     assert fitting.fits and fitting.total_bytes <= budget
 
+    # Decode graphs add a scratch cache row and their pool; SNAC on the same GPU is reserved too.
+    graphed = plan_memory(orpheus_3b, num_slots=plan.max_slots, max_seq_len=4096, dtype=torch.bfloat16,
+                          max_batch_size=16, budget_bytes=budget, cuda_graphs=True, codec_bytes=400 * 2**20)
+    assert graphed.kv_cache_bytes == (plan.max_slots + 1) * 448 * 2**20
+    assert graphed.graph_pool_bytes > 0 and graphed.codec_bytes == 400 * 2**20
+    assert graphed.total_bytes == (fitting.total_bytes + 448 * 2**20 + graphed.graph_pool_bytes + 400 * 2**20)
+    assert graphed.max_slots is not None and graphed.max_slots < plan.max_slots and not graphed.fits
+    assert "graph pool" in graphed.describe() and "SNAC" in graphed.describe()
+
     # The engine plans before it allocates: a cache of petabytes is refused at once.
     with pytest.raises(EngineError, match="not enough memory"):
         make_engine(tiny_orpheus, num_slots=10**9, max_seq_len=4096)
+
+
+def test_engine_from_config_reserves_the_codec_only_when_it_shares_the_device(tiny_orpheus: Path) -> None:
+    def plan_for(codec_device: str, decoder: str) -> int:
+        config = load_config(overrides=[f"engine.model_path={tiny_orpheus}", "engine.device=cpu",
+                                        "engine.max_seq_len=256", "scheduler.max_concurrent_sessions=2",
+                                        "scheduler.max_batch_size=2",
+                                        f"codec.device={codec_device}", f"codec.decoder={decoder}"])
+        engine = TorchEngine.from_config(config)
+        try:
+            return engine.memory_plan.codec_bytes
+        finally:
+            engine.close()
+
+    assert plan_for("cpu", "stateful") > 0
+    assert plan_for("cpu", "sim") == 0
+    if torch.cuda.is_available():
+        assert plan_for("cuda", "stateful") == 0
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -384,3 +411,52 @@ def test_cuda_logits_match_cpu(tiny_orpheus: Path) -> None:
         with torch.inference_mode():
             logits.append(engine.model.logits(engine.model.prefill(prompt.to(device), 0, 0)).cpu())
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "atol"), [("fp32", 1e-4), ("bf16", 5e-2)])
+def test_cuda_graph_batch_composition_changes_a_row_only_by_rounding(tiny_orpheus: Path, dtype: str,
+                                                                      atol: float) -> None:
+    """What holds on CUDA (torch_engine docstring, "Batch composition"): the graph a step replays depends
+    on the padded batch size and on the longest context in it, so a session's hidden state alone and beside
+    others is equal up to floating-point rounding, not bit for bit."""
+    engine = TorchEngine(tiny_orpheus, num_slots=4, max_seq_len=1024, device="cuda", dtype=dtype,
+                         max_batch_size=4, cuda_graphs=True)
+    graphs = engine._graphs
+    assert graphs is not None
+    prompts = [make_prompt(n, seed=slot) for slot, n in enumerate([40, 300, 700])]
+    lengths = [len(p) for p in prompts]  # slot 0 alone fits the 256 bucket; beside slot 2 it replays the 1024 one
+    with torch.inference_mode(), engine._on_stream():
+        for slot, prompt in enumerate(prompts):
+            engine.model.prefill(torch.tensor(prompt, device="cuda"), slot, 0)
+        token = torch.tensor([P.AUDIO_TOKEN_BASE + 5] * 3, device="cuda")
+        slots = torch.tensor([0, 1, 2], device="cuda")
+        positions = torch.tensor(lengths, device="cuda")
+        alone = graphs.run(token[:1], slots[:1], positions[:1], lengths[0] + 1).float().clone()
+        beside = graphs.run(token, slots, positions, max(lengths) + 1)[:1].float().clone()
+        eager = engine.model.decode(token[:1], slots[:1], positions[:1], lengths[0] + 1).float()
+    difference = (alone - beside).abs().max().item()
+    print(f"\n{dtype}: max |hidden alone - hidden beside others| = {difference:.2e}")
+    torch.testing.assert_close(alone, beside, rtol=0, atol=atol * alone.abs().max().item())
+    torch.testing.assert_close(alone, eager, rtol=0, atol=atol * alone.abs().max().item())
+    engine.close()
+
+
+@pytest.mark.gpu
+def test_memory_plan_bounds_what_the_engine_takes_on_the_card(tiny_orpheus: Path) -> None:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    engine = TorchEngine(tiny_orpheus, num_slots=8, max_seq_len=1024, device="cuda", dtype="bf16",
+                         max_batch_size=8, cuda_graphs=True)
+    jobs = [Job(f"s{i}", make_prompt(30 + i, seed=i), SamplingParams(temperature=0.8, seed=i), max_tokens=200,
+                chunk=16) for i in range(8)]
+    drive(engine, jobs)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - before
+    plan = engine.memory_plan
+    print(f"\npeak allocated {used / 2**20:.1f} MiB; planned {(plan.total_bytes - plan.codec_bytes) / 2**20:.1f} MiB"
+          f" ({plan.describe()})")
+    assert plan.scratch_slots == 1 and plan.graph_pool_bytes > 0
+    assert used <= plan.total_bytes - plan.codec_bytes
+    engine.close()

@@ -289,6 +289,26 @@ def stage_engine(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, A
     return data, table
 
 
+def _half_precision_snr(snac_dir: Path, device: str, codes: Any) -> dict[str, Any]:
+    """The stateful decoder in FP16 against FP32 on the same codes, streamed in pushes of two frames."""
+    import numpy as np
+
+    from orpheus_serve.codec.base import CodecPush
+    from orpheus_serve.codec.loader import load_snac
+    from orpheus_serve.codec.stateful import StatefulDecoder
+
+    def stream(dtype: str) -> Any:
+        decoder = StatefulDecoder(load_snac(snac_dir, device=device, dtype=dtype, noise=False))
+        pieces = [decoder.decode([CodecPush("snr", codes[i : i + 2], final=i + 2 >= len(codes))])[0].pcm
+                  for i in range(0, len(codes), 2)]
+        return np.concatenate(pieces).astype(np.float64)
+
+    reference, half = stream("fp32"), stream("fp16")
+    error = float(np.sum((reference - half) ** 2))
+    snr = float("inf") if error == 0 else 10 * np.log10(float(np.sum(reference**2)) / error)
+    return {"frames": len(codes), "snr_db": round(snr, 1), "expected_min_db": 40}
+
+
 def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, Any], str]:
     import numpy as np
     import torch
@@ -349,10 +369,14 @@ def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, An
             print(f"codec batch {batch}: {median * 1e3:.2f} ms per pass, {audio_s / median:.1f} audio s per s",
                   flush=True)
         overlap = _codec_engine_overlap(shapes, llama, decoder, codec_passes)
+        fidelity = _half_precision_snr(snac_dir, shapes.device, frames(48))
+        print(f"codec FP16 vs FP32 on the same codes: SNR {fidelity['snr_db']} dB", flush=True)
     data = {"stage": "codec", "dry_run": dry_run, "env": env, "device": shapes.device, "dtype": codec_dtype,
-            "decoder": "stateful", "rows": rows, "overlap": overlap}
+            "decoder": "stateful", "rows": rows, "overlap": overlap, "fp16_vs_fp32": fidelity}
     table = markdown_table(["batch", "ms / pass (median)", "ms / pass (p90)", "audio s per GPU s"],
                            [[r["batch"], r["pass_ms_median"], r["pass_ms_p90"], r["audio_s_per_gpu_s"]] for r in rows])
+    table += "\n\n" + markdown_table(["FP16 vs FP32 (same codes)", "SNR dB", "expected"],
+                                     [[f"{fidelity['frames']} frames", fidelity["snr_db"], ">= 40"]])
     table += "\n\n" + markdown_table(
         ["overlap at batch", "engine alone s", "codec alone s", "both at once s", "overlap"],
         [[overlap["batch"], overlap["engine_alone_s"], overlap["codec_alone_s"], overlap["together_s"],

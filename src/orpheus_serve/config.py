@@ -90,6 +90,14 @@ class CodecConfig(_Strict):
     max_pass_ms: float = Field(100.0, gt=0)  # and fewer frames when the measured pass would take longer (CPU)
     sim: SimCodecConfig = SimCodecConfig()
 
+    @model_validator(mode="after")
+    def _compile_needs_a_module_decoder(self) -> CodecConfig:
+        # torch.compile wraps SNAC's own decoder layers, which the windowed and reference decoders
+        # run; the stateful decoder runs its own streaming ops and would silently ignore it.
+        if self.compile and self.decoder not in ("windowed", "reference"):
+            raise ValueError(f"compile applies to the windowed and reference decoders, not {self.decoder!r}")
+        return self
+
 
 class TensorRTConfig(_Strict):
     engine_dir: str = "engines/orpheus-fp8"

@@ -65,7 +65,7 @@ def build_decoder(codec_cfg: CodecConfig, model: SNAC) -> StreamingDecoder:
     if codec_cfg.decoder == "stateful":
         from .stateful import StatefulDecoder
 
-        return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise)
+        return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise, seed=codec_cfg.seed)
     if codec_cfg.decoder == "reference":
         from .reference import ReferenceWindowDecoder
 

@@ -72,6 +72,7 @@ from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 from torch import nn
 
 from orpheus_serve.codec.base import CodecPush, CodecResult
+from orpheus_serve.codec.transfer import HostTransfer
 from orpheus_serve.protocol import TOKENS_PER_FRAME, frames_to_snac_codes
 
 from .loader import SeededNoiseBlock
@@ -91,6 +92,7 @@ class _StepContext:
     # or None when no row of this step is at an edge.
     outside: list[torch.Tensor] | None
     noise: bool
+    generator: torch.Generator | None = None  # the noise's, when seeded
 
     def zero_outside(self, mask_index: int, x: torch.Tensor) -> torch.Tensor:
         if self.outside is None:
@@ -162,7 +164,7 @@ class _Noise(_Op):
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         if not ctx.noise:
             return x
-        noise = torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
+        noise = torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype, generator=ctx.generator)
         return x + noise * F.conv1d(x, self.weight)
 
 
@@ -361,7 +363,12 @@ class StatefulDecoder:
     `model` is a loaded `snac.SNAC` without attention (snac_24khz). Its weights are read once (weight norm
     folded) and the model is not modified. `max_batch` caps the sessions in one forward step, `noise`
     enables the decoder's NoiseBlocks (off: deterministic audio equal to the one-shot decode with noise
-    bypassed), `step_frames` is the fixed set of frames-per-step shapes.
+    bypassed), `seed` seeds the noise (the same pushes in the same order give the same audio from run to
+    run; None: unseeded), `step_frames` is the fixed set of frames-per-step shapes.
+
+    On CUDA, codes go in and audio comes out through pinned staging buffers (`codec.transfer`) on the
+    caller's current stream (the codec worker's own); everything the constructor puts on the device is
+    complete before it returns, so a decoder built on one stream may be used on another.
     """
 
     def __init__(
@@ -370,6 +377,7 @@ class StatefulDecoder:
         *,
         max_batch: int = 64,
         noise: bool = False,
+        seed: int | None = None,
         step_frames: Sequence[int] = (1, 2, 4),
     ) -> None:
         if max_batch < 1:
@@ -384,6 +392,8 @@ class StatefulDecoder:
         self.device, self.dtype = param.device, param.dtype
         self.max_batch = max_batch
         self.noise = noise
+        self._generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        self._transfer = HostTransfer(self.device)
         self.step_frames = tuple(sorted(set(step_frames), reverse=True))
         self.sample_rate: int = int(model.sampling_rate)
         self.codebook_size: int = int(model.codebook_size)
@@ -419,6 +429,8 @@ class StatefulDecoder:
         self._pool = torch.zeros((max_batch, self.state_size), device=self.device, dtype=self.dtype)
         self._free_rows = list(range(max_batch))  # min-heap: lowest rows first keeps batches contiguous
         self._sessions: dict[Hashable, _Session] = {}
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # see the class docstring
 
     # -- StreamingDecoder ---------------------------------------------------------------------
 
@@ -498,7 +510,7 @@ class StatefulDecoder:
         frames = np.stack([w.frames[w.done : w.done + n_frames] for w in group])  # [B, n, 7]
         # c0 [B, n] | c1 [B, 2n] | c2 [B, 4n], side by side: one host-to-device copy.
         codes = np.concatenate([c.reshape(batch, -1) for c in frames_to_snac_codes(frames)], axis=1)
-        codebooks = torch.from_numpy(codes).to(self.device).split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
+        codebooks = self._transfer.codes_to_device(codes).split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
         latent = None
         for table, codebook, stride in zip(self._latent_tables, codebooks, _ORPHEUS_VQ_STRIDES, strict=True):
             part = F.embedding(codebook, table).repeat_interleave(stride, dim=1)  # [B, n*4, D]
@@ -515,6 +527,7 @@ class StatefulDecoder:
             states=[state[:, off : off + size].view(batch, c, t) for off, c, t, size in self._state_slots],
             outside=self._edge_masks(group, n_frames),
             noise=self.noise,
+            generator=self._generator,
         )
         for op in self._ops:
             x = op.step(x, ctx)
@@ -562,5 +575,4 @@ class StatefulDecoder:
             return []
         empty = torch.zeros(0, device=self.device, dtype=self.dtype)
         per_push = [torch.cat([pcm[row, lo:hi] for pcm, row, lo, hi in w.pieces]) if w.pieces else empty for w in work]
-        flat = torch.cat(per_push).to(device="cpu", dtype=torch.float32).numpy()
-        return np.split(flat, np.cumsum([len(a) for a in per_push])[:-1])
+        return self._transfer.audio_to_host(per_push)

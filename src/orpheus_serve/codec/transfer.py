@@ -8,6 +8,11 @@ codec worker is the worker's own stream. The only wait is on an event
 recorded after the device-to-host copy: it blocks this thread until this
 stream's work is done, never the device, so the LLM's stream keeps running.
 
+Codes go in through a small ring of staging buffers, one per copy in flight:
+a decoder that runs several steps in one call copies each step's codes while
+earlier steps still compute, and a buffer is only reused once the copy made
+from it `CODE_BUFFERS` copies ago has finished (normally long before).
+
 On CPU the same calls are plain conversions.
 """
 
@@ -18,6 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+CODE_BUFFERS = 4  # host-to-device copies of codes that may be in flight at once
+
 
 class HostTransfer:
     """Staging buffers for one thread's copies to and from `device`. Not thread-safe."""
@@ -25,9 +32,10 @@ class HostTransfer:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._codes_in: torch.Tensor | None = None  # pinned int64, flat
+        self._codes_in: list[torch.Tensor | None] = [None] * CODE_BUFFERS  # pinned int64, flat
+        self._copied_in = [torch.cuda.Event() for _ in range(CODE_BUFFERS)] if self._cuda else []
+        self._next_in = 0
         self._audio_out: torch.Tensor | None = None  # pinned float32, flat
-        self._copied_in = torch.cuda.Event() if self._cuda else None
         self._copied_out = torch.cuda.Event() if self._cuda else None
 
     @staticmethod
@@ -42,15 +50,16 @@ class HostTransfer:
         host = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int64))
         if not self._cuda:
             return host.to(self.device)
-        assert self._copied_in is not None
-        # The previous copy out of the staging buffer must have finished before it is overwritten
-        # (normally long done: the previous call waited for its audio, which the stream computes later).
-        self._copied_in.synchronize()
-        self._codes_in = self._pinned(self._codes_in, host.numel(), torch.int64)
-        staged = self._codes_in[: host.numel()].view(host.shape)
+        index = self._next_in
+        self._next_in = (index + 1) % CODE_BUFFERS
+        copied = self._copied_in[index]
+        # The copy made from this staging buffer last time must have finished before it is overwritten.
+        copied.synchronize()
+        buffer = self._codes_in[index] = self._pinned(self._codes_in[index], host.numel(), torch.int64)
+        staged = buffer[: host.numel()].view(host.shape)
         staged.copy_(host)
         on_device = staged.to(self.device, non_blocking=True)
-        self._copied_in.record()
+        copied.record()
         return on_device
 
     def audio_to_host(self, pieces: Sequence[torch.Tensor]) -> list[np.ndarray]:

@@ -267,7 +267,11 @@ class CodecWorker:
             return contextlib.nullcontext()
         if self.device.index is not None:
             torch.cuda.set_device(self.device)
-        return torch.cuda.stream(torch.cuda.Stream(self.device))
+        stream = torch.cuda.Stream(self.device)
+        # Decoders are built on the default stream before the worker starts; whatever they queued
+        # there comes before this stream's first decode (they also finish it themselves: belt and braces).
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
 
     def _run(self) -> None:
         with self._stream_context():

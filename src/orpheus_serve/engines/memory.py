@@ -8,7 +8,12 @@ Everything the torch engine allocates is known before it loads a byte: the weigh
 (parameter count x dtype size), the KV cache (per slot:
 2 x layers x kv_heads x head_dim x max_seq_len x dtype size) and a per-slot presence mask
 for the repetition penalty (vocab bytes), plus working memory for one decode step (logits
-and sampling buffers for max_batch_size rows). The engine plans first and refuses, with the
+and sampling buffers for max_batch_size rows). On CUDA with decode graphs it also holds one
+scratch cache row that the graphs' padding rows write into, and the graphs' shared memory pool
+(the activations of the largest captured decode: max_batch_size rows attending over
+max_seq_len). When the SNAC decoder runs on the same GPU, its weights and working memory
+(`vram_budget.snac_bytes`) are reserved too: it is loaded after the engine, and a plan that
+took the whole card would leave it nothing. The engine plans first and refuses, with the
 numbers, a configuration that cannot fit, instead of failing half-way through start-up or,
 worse, at the first busy moment.
 """
@@ -26,6 +31,7 @@ from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.step import EngineError
 
 GiB = 1 << 30
+GRAPH_KV_BUCKET = 256  # the smallest KV length a decode graph is captured for
 MiB = 1 << 20
 
 
@@ -49,6 +55,33 @@ def step_workspace_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: 
     sampling = 8 * max_batch_size * config.vocab_size * 8
     attention = 2 * 2 * max_batch_size * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
     return sampling + attention
+
+
+def graph_pool_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    """The decode graphs' shared pool, sized by the largest capture (max_batch_size rows at max_seq_len):
+    one layer's live activations at a time (residual, norm, q/k/v, the MLP's gate, up and product), the
+    attention scores and probabilities in fp32, the keys and values gathered for the batch, and each
+    graph's output rows. Captures run largest first and reuse the pool, so one capture's peak bounds it."""
+    rows = max_batch_size
+    activations = rows * (6 * config.dim + 3 * config.intermediate_size) * dtype_bytes(dtype)
+    scores = 2 * rows * config.n_heads * max_seq_len * 4
+    gathered = 2 * rows * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
+    outputs = len(graph_shapes(max_batch_size, max_seq_len)) * rows * config.dim * dtype_bytes(dtype)
+    return activations + scores + gathered + outputs
+
+
+def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
+    """smallest, 2*smallest, 4*smallest, ... below limit, then limit itself."""
+    sizes, size = [], smallest
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def graph_shapes(max_batch_size: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """The (padded batch, KV length bucket) of every decode graph the torch engine captures."""
+    return [(b, k) for b in padded_sizes(max_batch_size) for k in padded_sizes(max_seq_len, GRAPH_KV_BUCKET)]
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -75,6 +108,15 @@ class MemoryPlan:
     num_slots: int
     max_seq_len: int
     budget_bytes: int | None  # None: the device's free memory is unknown, nothing is checked
+    scratch_slots: int = 0  # cache rows no session owns (1 with decode graphs: the padding rows' writes)
+    graph_pool_bytes: int = 0
+    codec_bytes: int = 0  # the SNAC decoder, when it shares the device
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the sessions' own slots."""
+        return (self.weights_bytes + self.workspace_bytes + self.graph_pool_bytes + self.codec_bytes
+                + self.kv_bytes_per_slot * self.scratch_slots)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -82,18 +124,18 @@ class MemoryPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_bytes_per_slot * self.num_slots
+        return self.kv_bytes_per_slot * (self.num_slots + self.scratch_slots)
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.workspace_bytes + self.bytes_per_slot * self.num_slots
+        return self.fixed_bytes + self.bytes_per_slot * self.num_slots
 
     @property
     def max_slots(self) -> int | None:
-        """Slots that fit in the budget next to the weights and workspace."""
+        """Slots that fit in the budget next to everything else."""
         if self.budget_bytes is None:
             return None
-        return max(0, (self.budget_bytes - self.weights_bytes - self.workspace_bytes) // self.bytes_per_slot)
+        return max(0, (self.budget_bytes - self.fixed_bytes) // self.bytes_per_slot)
 
     @property
     def fits(self) -> bool:
@@ -102,9 +144,12 @@ class MemoryPlan:
     def describe(self) -> str:
         fit = "unknown free memory" if self.max_slots is None else f"{self.max_slots} fit"
         budget = "" if self.budget_bytes is None else f" of a {self.budget_bytes / GiB:.2f} GiB budget"
+        extras = "".join(f" + {name} {size / GiB:.2f} GiB" for name, size in (
+            ("graph pool", self.graph_pool_bytes), ("SNAC", self.codec_bytes)) if size)
+        scratch = f" (+{self.scratch_slots} scratch)" if self.scratch_slots else ""
         return (f"weights {self.weights_bytes / GiB:.2f} GiB + KV cache {self.kv_bytes_per_slot / MiB:.1f} MiB/slot "
-                f"(max_seq_len {self.max_seq_len}) x {self.num_slots} slots = {self.total_bytes / GiB:.2f} GiB"
-                f"{budget}; {fit}")
+                f"(max_seq_len {self.max_seq_len}) x {self.num_slots} slots{scratch}{extras} = "
+                f"{self.total_bytes / GiB:.2f} GiB{budget}; {fit}")
 
     def check(self) -> None:
         """Raise EngineError, with what would fit, when the plan does not."""
@@ -120,7 +165,10 @@ class MemoryPlan:
 
 
 def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype: torch.dtype,
-                max_batch_size: int, budget_bytes: int | None) -> MemoryPlan:
+                max_batch_size: int, budget_bytes: int | None, cuda_graphs: bool = False,
+                codec_bytes: int = 0) -> MemoryPlan:
+    """`cuda_graphs`: the engine captures decode graphs (CUDA only); `codec_bytes`: what the SNAC
+    decoder will take on the same device (0 when it runs elsewhere)."""
     return MemoryPlan(
         weights_bytes=weights_bytes(config, dtype),
         kv_bytes_per_slot=kv_bytes_per_slot(config, max_seq_len, dtype),
@@ -129,4 +177,7 @@ def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype:
         num_slots=num_slots,
         max_seq_len=max_seq_len,
         budget_bytes=budget_bytes,
+        scratch_slots=1 if cuda_graphs else 0,
+        graph_pool_bytes=graph_pool_bytes(config, max_batch_size, max_seq_len, dtype) if cuda_graphs else 0,
+        codec_bytes=codec_bytes,
     )

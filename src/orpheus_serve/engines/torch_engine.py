@@ -34,7 +34,20 @@ identically, when the session runs again, and is never read before that.
 On CUDA all work runs on the engine's own stream, and decode steps replay CUDA graphs captured
 at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-two KV lengths
 (256 ... max_seq_len). Padding rows write into a scratch slot that no session owns. Prefill
-(variable length) and sampling (a few dozen kernels, no host sync) run eagerly.
+(variable length) and sampling (a few dozen kernels, no host sync) run eagerly. The graphs'
+static inputs are created on the engine's stream, after everything queued before the capture.
+
+Batch composition. Sampling is per session: each slot draws with its own seeded generator, keyed
+on the candidate token, so the same logits give the same token whatever shares the step. The
+logits themselves are bit-for-bit independent of the batch on CPU (tested: a stream beside hostile
+or busy neighbours equals the same request alone). On CUDA they are not: the graph a step replays
+is chosen by the padded batch size and by the longest context in the step, and cuBLAS picks its
+kernels by shape, so a row's hidden state can differ in the last bits (fp32) or the last bf16 place
+depending on who shares the step. A draw near a tie can then go the other way, and the rest of the
+session follows. What holds on CUDA: a session replayed with the same seed and the same step
+composition gives the same tokens; alone vs beside others, its hidden states agree to rounding
+(`test_cuda_graph_batch_composition_changes_a_row_only_by_rounding`). Making tokens exactly
+batch-invariant would need batch-invariant kernels (fixed reduction order whatever the shape).
 """
 
 from __future__ import annotations
@@ -52,9 +65,10 @@ import torch
 from torch import Tensor
 
 from orpheus_serve import protocol as P
+from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.base import MemoryReport
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
-from orpheus_serve.engines.memory import available_bytes, plan_memory
+from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
 from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 
@@ -62,6 +76,10 @@ if TYPE_CHECKING:
     from orpheus_serve.config import Config
 
 logger = logging.getLogger(__name__)
+
+# Frames per session in the codec's widest step (the stateful decoder's largest step shape, a
+# windowed decoder's [L | new | R] window is about as wide): what its working memory is sized by.
+CODEC_STEP_FRAMES = 6
 
 
 @dataclass(slots=True)
@@ -71,15 +89,6 @@ class _Session:
     cached: int = 0  # tokens in the KV cache = position the next token is written at
     generated: int = 0  # tokens sampled so far = audio position of the next one
     ready: bool = False  # prompt complete: the last sampled token waits to be fed
-
-
-def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
-    """smallest, 2*smallest, 4*smallest, ... below limit, then limit itself."""
-    sizes, size = [], smallest
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, limit]
 
 
 class DecodeGraphs:
@@ -97,12 +106,16 @@ class DecodeGraphs:
         self.kv_lens = sorted(kv_lens)
         self.scratch_slot = scratch_slot
         max_batch = self.batch_sizes[-1]
-        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        # Whatever the caller queued on its stream (weights, caches) comes before the capture, and the
+        # static inputs are made on the capture stream itself: a graph never reads a buffer whose
+        # initialisation another stream may not have run yet.
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
             # Largest first: the shared pool is sized by the first capture and reused by the rest.
             for batch in reversed(self.batch_sizes):
                 for kv_len in reversed(self.kv_lens):
@@ -137,7 +150,7 @@ class TorchEngine:
 
     def __init__(self, model_path: str | Path, *, num_slots: int, max_seq_len: int, device: str = "cpu",
                  dtype: str = "fp32", max_batch_size: int = 16, cuda_graphs: bool = True,
-                 memory_fraction: float = 0.9, seed: int | None = None) -> None:
+                 memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0) -> None:
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = Path(model_path)
@@ -155,14 +168,14 @@ class TorchEngine:
             raise EngineError(f"{folder}: vocabulary of {self.config.vocab_size} ids has no Orpheus audio tokens "
                               f"(needs at least {P.AUDIO_VOCAB_END})")
 
+        use_graphs = cuda_graphs and self.device.type == "cuda"
         budget = available_bytes(self.device)
         plan = plan_memory(self.config, num_slots=num_slots, max_seq_len=max_seq_len, dtype=self.dtype,
-                           max_batch_size=max_batch_size,
+                           max_batch_size=max_batch_size, cuda_graphs=use_graphs, codec_bytes=codec_bytes,
                            budget_bytes=None if budget is None else int(budget * memory_fraction))
         logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
         plan.check()
-
-        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.memory_plan = plan
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         with self._on_stream():
             self.model = load_transformer(folder, dtype=self.dtype, device=self.device)
@@ -180,9 +193,10 @@ class TorchEngine:
         if use_graphs:
             assert self._stream is not None
             started = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), self._on_stream():
                 self._graphs = DecodeGraphs(
-                    self.model, batch_sizes=padded_sizes(max_batch_size), kv_lens=padded_sizes(max_seq_len, 256),
+                    self.model, batch_sizes=padded_sizes(max_batch_size),
+                    kv_lens=padded_sizes(max_seq_len, GRAPH_KV_BUCKET),
                     scratch_slot=num_slots, stream=self._stream)
             logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs),
                         time.perf_counter() - started)
@@ -192,6 +206,10 @@ class TorchEngine:
         from orpheus_serve.config import resolve_device, resolve_dtype
 
         device = resolve_device(config.engine.device)
+        codec = config.codec
+        # SNAC loads after the engine: on the same GPU its share is kept out of the engine's plan.
+        same_device = codec.decoder != "sim" and torch.device(resolve_device(codec.device)) == torch.device(device)
+        codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if same_device else 0
         return cls(
             config.engine.model_path,
             num_slots=config.scheduler.max_concurrent_sessions,
@@ -201,6 +219,7 @@ class TorchEngine:
             max_batch_size=config.scheduler.max_batch_size,
             cuda_graphs=config.engine.cuda_graphs,
             memory_fraction=config.engine.memory_fraction,
+            codec_bytes=codec_bytes,
         )
 
     # ------------------------------------------------------------------ TokenEngine
