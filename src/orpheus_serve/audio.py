@@ -7,6 +7,10 @@ for *as it arrives*, so the first bytes leave with the first decoded frame:
 - `pcm`: the samples as they are.
 - `wav`: a 44-byte RIFF header whose sizes carry the unknown-length sentinel
   0xFFFFFFFF (the length is not known when the header leaves), then PCM.
+- `mulaw`, `alaw`: ITU-T G.711 companded 8-bit samples, no header (telephony),
+  8 kHz unless another rate is asked. Exact G.711 (the bit patterns of the
+  ITU-T G.191 reference coder) through a 65,536-entry table, one numpy lookup
+  per chunk.
 - `mp3`, `aac` (ADTS), `flac`, `opus` (Ogg): PyAV encoders and muxers writing
   into an in-memory sink that is drained after every chunk. The Ogg muxer gets
   a short page duration so a page (and thus audio) leaves with every chunk
@@ -41,8 +45,12 @@ except ImportError:  # PyAV is optional: without it, pcm and wav at the model's 
 
 from .protocol import SAMPLE_RATE
 
-AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"]
 AUDIO_FORMATS: tuple[str, ...] = get_args(AudioFormat)
+
+# G.711 formats: headerless 8-bit companded samples, 8 kHz unless the client asks for another rate.
+TELEPHONY_FORMATS: tuple[str, ...] = ("mulaw", "alaw")
+TELEPHONY_SAMPLE_RATE = 8000
 
 CONTENT_TYPES: dict[str, str] = {
     "mp3": "audio/mpeg",
@@ -51,6 +59,8 @@ CONTENT_TYPES: dict[str, str] = {
     "flac": "audio/flac",
     "wav": "audio/wav",
     "pcm": "audio/pcm",
+    "mulaw": "audio/basic",  # RFC 2046: 8-bit G.711 mu-law, mono, 8 kHz
+    "alaw": "audio/x-alaw-basic",
 }
 
 MIN_SPEED = 0.25
@@ -87,6 +97,86 @@ _CODECS: dict[str, _CodecSpec] = {
     # A 1024-sample block keeps the first FLAC frame from waiting for 4608 samples.
     "flac": _CodecSpec("flac", "flac", "s16", None, codec_options={"frame_size": "1024"}),
 }
+
+
+def default_sample_rate(fmt: str, input_rate: int = SAMPLE_RATE) -> int:
+    """The output rate when the client names none: telephony's 8 kHz for G.711, else the model's own rate."""
+    return TELEPHONY_SAMPLE_RATE if fmt in TELEPHONY_FORMATS else input_rate
+
+
+# ----------------------------------------------------------------- G.711
+# Written from ITU-T G.711 as its reference coder (ITU-T G.191 STL, g711.c) computes it: negative inputs take
+# the one's complement before quantisation, so e.g. -1 and 0 land in the two codes nearest zero. Evaluated once
+# over every 16-bit input, vectorised, into a table indexed by the sample's bit pattern.
+
+
+def _mulaw_table() -> np.ndarray:
+    x = np.arange(-32768, 32768, dtype=np.int32)
+    magnitude = np.where(x < 0, ~x, x) >> 2  # 14-bit magnitude
+    biased = np.minimum(magnitude + 33, 0x1FFF)
+    segment = np.zeros_like(biased)  # number of bits of biased >> 6, i.e. 1 + the segment number
+    rest = biased >> 6
+    while rest.any():
+        segment += rest != 0
+        rest >>= 1
+    segment += 1
+    code = ((8 - segment) << 4) | (0x0F - ((biased >> segment) & 0x0F))
+    code |= np.where(x >= 0, 0x80, 0)
+    return _by_bit_pattern(code)
+
+
+def _alaw_table() -> np.ndarray:
+    x = np.arange(-32768, 32768, dtype=np.int32)
+    magnitude = np.where(x < 0, ~x, x) >> 4  # 12-bit magnitude
+    exponent = np.zeros_like(magnitude)
+    mantissa = magnitude.copy()
+    # Segments above the first two: shift the mantissa down until it fits 4 bits after the leading one.
+    big = mantissa > 15
+    exponent[big] = 1
+    while True:
+        over = mantissa > 31
+        if not over.any():
+            break
+        mantissa = np.where(over, mantissa >> 1, mantissa)
+        exponent += over
+    code = np.where(big, (mantissa - 16) + (exponent << 4), magnitude)
+    code |= np.where(x >= 0, 0x80, 0)
+    return _by_bit_pattern(code ^ 0x55)
+
+
+def _by_bit_pattern(codes_from_min: np.ndarray) -> np.ndarray:
+    """Reorder a table built over -32768..32767 so that it is indexed by the int16's uint16 view."""
+    return np.roll(codes_from_min.astype(np.uint8), -32768)
+
+
+def _mulaw_expand_table() -> np.ndarray:
+    code = ~np.arange(256, dtype=np.int32) & 0xFF
+    exponent = (code >> 4) & 0x07
+    value = (((code & 0x0F) << 3) + 0x84 << exponent) - 0x84
+    return np.where(code & 0x80, -value, value).astype(np.int16)
+
+
+def _alaw_expand_table() -> np.ndarray:
+    code = np.arange(256, dtype=np.int32) ^ 0x55
+    exponent = (code >> 4) & 0x07
+    mantissa = code & 0x0F
+    value = np.where(exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0))
+    return np.where(code & 0x80, value, -value).astype(np.int16)
+
+
+_G711_COMPRESS: dict[str, np.ndarray] = {"mulaw": _mulaw_table(), "alaw": _alaw_table()}
+_G711_EXPAND: dict[str, np.ndarray] = {"mulaw": _mulaw_expand_table(), "alaw": _alaw_expand_table()}
+
+
+def g711_encode(pcm: bytes | np.ndarray, fmt: str) -> bytes:
+    """16-bit signed PCM (little-endian bytes or int16 samples) -> one G.711 byte per sample."""
+    samples = np.frombuffer(pcm, dtype="<i2") if isinstance(pcm, bytes | bytearray | memoryview) else pcm
+    return _G711_COMPRESS[fmt][samples.astype("<i2", copy=False).view("<u2")].tobytes()
+
+
+def g711_decode(data: bytes, fmt: str) -> np.ndarray:
+    """G.711 bytes -> int16 samples."""
+    return _G711_EXPAND[fmt][np.frombuffer(data, dtype=np.uint8)]
 
 
 class AudioOptionError(ValueError):
@@ -237,6 +327,19 @@ class _RawStage(_Stage):
         return head
 
 
+class _G711Stage(_Stage):
+    def __init__(self, fmt: str) -> None:
+        self._fmt = fmt
+
+    def frames(self, frames: list[av.AudioFrame]) -> bytes:
+        if not frames:
+            return b""
+        return g711_encode(np.concatenate([f.to_ndarray().reshape(-1) for f in frames]), self._fmt)
+
+    def finish(self) -> bytes:
+        return b""
+
+
 class _ContainerStage(_Stage):
     def __init__(self, spec: _CodecSpec, sample_rate: int) -> None:
         self._sink = _Sink()
@@ -269,13 +372,13 @@ class AudioStreamEncoder:
     """Incremental encoder of one response: `encode(pcm) -> bytes` per chunk, then `flush()` once.
 
     Input is 16-bit LE mono PCM at `input_rate`. Output is `fmt` at
-    `sample_rate` (the input rate unless another is asked), played back at
-    `speed` without changing pitch.
+    `sample_rate` (unless another is asked: 8 kHz for G.711, the input rate
+    for the rest), played back at `speed` without changing pitch.
     """
 
     def __init__(self, fmt: str, *, input_rate: int = SAMPLE_RATE, sample_rate: int | None = None,
                  speed: float = 1.0) -> None:
-        out_rate = input_rate if sample_rate is None else sample_rate
+        out_rate = default_sample_rate(fmt, input_rate) if sample_rate is None else sample_rate
         check_output_options(fmt, sample_rate=out_rate, speed=speed)
         self.format = fmt
         self.content_type = CONTENT_TYPES[fmt]
@@ -292,6 +395,8 @@ class AudioStreamEncoder:
             self._stage = _RawStage()
         elif fmt == "wav":
             self._stage = _RawStage(wav_header(out_rate))
+        elif fmt in TELEPHONY_FORMATS:
+            self._stage = _G711Stage(fmt)
         else:
             self._stage = _ContainerStage(_CODECS[fmt], out_rate)
         self._finished = False
@@ -343,13 +448,18 @@ class AudioStreamEncoder:
         return out
 
 
-def decode_audio(data: bytes, fmt: str, *, sample_rate: int = SAMPLE_RATE) -> tuple[np.ndarray, int]:
+def decode_audio(data: bytes, fmt: str, *, sample_rate: int | None = None) -> tuple[np.ndarray, int]:
     """Decode a whole response back to int16 mono samples and its sample rate (clients and tests).
 
-    `pcm` has no header, so its `sample_rate` must be given.
+    `pcm`, `mulaw` and `alaw` have no header: their `sample_rate` is the server's default for the format
+    unless given.
     """
+    if sample_rate is None:
+        sample_rate = default_sample_rate(fmt)
     if fmt == "pcm":
         return np.frombuffer(data[: len(data) - len(data) % 2], dtype="<i2").copy(), sample_rate
+    if fmt in TELEPHONY_FORMATS:
+        return g711_decode(data, fmt).copy(), sample_rate
     container_format = {"mp3": "mp3", "opus": "ogg", "aac": "aac", "flac": "flac", "wav": "wav"}[fmt]
     if fmt == "wav" and data[:4] == b"RIFF" and struct.unpack_from("<I", data, 40)[0] == WAV_UNKNOWN_SIZE:
         # The streaming sentinel: the data runs to the end of the bytes.

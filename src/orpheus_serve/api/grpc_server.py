@@ -23,10 +23,10 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..audio import default_sample_rate
 from ..proto import AUDIO_FORMAT_NAMES
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..protocol import SAMPLE_RATE
 from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
 from ..validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
@@ -101,7 +101,8 @@ def request_from_proto(request: pb.SynthesizeRequest | UndecodableRequest) -> tu
     fields: dict[str, Any] = {"text": request.text, **sampling}
     if request.voice:
         fields["voice"] = request.voice
-    output = OutputOptions(format=fmt, sample_rate=request.sample_rate or SAMPLE_RATE, speed=request.speed or 1.0)
+    output = OutputOptions(format=fmt, sample_rate=request.sample_rate or default_sample_rate(fmt),
+                           speed=request.speed or 1.0)
     return SynthesisRequest(**fields), output
 
 

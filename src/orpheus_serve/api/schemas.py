@@ -16,8 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ..audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat
-from ..protocol import SAMPLE_RATE
+from ..audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat, default_sample_rate
 from ..synthesis import InvalidRequestError, SynthesisRequest
 from ..validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, documented_ranges
 from .gateway import OutputOptions
@@ -93,19 +92,22 @@ class SpeechRequestBody(SpeechFields):
     stream_format: Literal["audio", "sse"] = "audio"
 
     def output_options(self) -> OutputOptions:
-        return OutputOptions(format=self.response_format, sample_rate=SAMPLE_RATE, speed=self.speed)
+        return OutputOptions(format=self.response_format, sample_rate=default_sample_rate(self.response_format),
+                             speed=self.speed)
 
 
 class StreamRequestMessage(SpeechFields):
     """One request on WS /v1/audio/stream."""
 
     response_format: AudioFormat = "pcm"
-    sample_rate: JsonInt = Field(SAMPLE_RATE, ge=MIN_SAMPLE_RATE, le=MAX_SAMPLE_RATE)
+    sample_rate: JsonInt | None = Field(None, ge=MIN_SAMPLE_RATE, le=MAX_SAMPLE_RATE,
+                                        description="Default: 8000 for mulaw and alaw, else 24000 (the model's).")
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
                                    description="Echoed in replies: 1 to 128 printable ASCII characters.")
 
     def output_options(self) -> OutputOptions:
-        return OutputOptions(format=self.response_format, sample_rate=self.sample_rate, speed=self.speed)
+        rate = default_sample_rate(self.response_format) if self.sample_rate is None else self.sample_rate
+        return OutputOptions(format=self.response_format, sample_rate=rate, speed=self.speed)
 
 
 class ErrorDetail(BaseModel):

@@ -26,7 +26,7 @@ import httpx
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from ..audio import AUDIO_FORMATS, decode_audio, wav_header
+from ..audio import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
 from ..proto import AUDIO_FORMAT_NUMBERS
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
@@ -122,7 +122,8 @@ async def synthesize_rest(base_url: str, text: str, *, voice: str | None = None,
                             **_sampling(sampling)}
     if voice is not None:
         body["voice"] = voice
-    result = ClientResult("rest", time.perf_counter(), format=fmt, text_chars=len(text))
+    result = ClientResult("rest", time.perf_counter(), format=fmt, sample_rate=default_sample_rate(fmt),
+                          text_chars=len(text))
     own_client = client is None
     http = client if client is not None else http_client(base_url, timeout_s)
     try:
@@ -156,9 +157,11 @@ def stream_url(base_url: str) -> str:
 
 
 async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
-                        speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                        speed: float = 1.0, sample_rate: int | None = None, api_key: str | None = None,
                         timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
-    """One request over a fresh WebSocket: binary audio messages until `done`."""
+    """One request over a fresh WebSocket: binary audio messages until `done`. `sample_rate` None: the
+    server's default for `fmt`."""
+    sample_rate = default_sample_rate(fmt) if sample_rate is None else sample_rate
     message: dict[str, Any] = {"text": text, "response_format": fmt, "speed": speed, "sample_rate": sample_rate,
                                **_sampling(sampling)}
     if voice is not None:
@@ -201,10 +204,11 @@ async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, f
 
 
 async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
-                          speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                          speed: float = 1.0, sample_rate: int | None = None, api_key: str | None = None,
                           channel: grpc.aio.Channel | None = None, timeout_s: float = 300.0,
                           **sampling: Any) -> ClientResult:
     """orpheus.v1.Synthesizer/Synthesize, server-streaming."""
+    sample_rate = default_sample_rate(fmt) if sample_rate is None else sample_rate
     options = _sampling(sampling)
     request = pb.SynthesizeRequest(text=text, voice=voice or "", format=AUDIO_FORMAT_NUMBERS[fmt],
                                    sample_rate=sample_rate, speed=speed,
@@ -265,8 +269,11 @@ def _format_for(output: str, fmt: str | None) -> str:
 
 def write_output(path: str, result: ClientResult) -> None:
     data = bytes(result.audio)
-    if path.lower().endswith(".wav") and result.format in ("pcm", "wav"):
-        pcm = data[44:] if result.format == "wav" else data
+    if path.lower().endswith(".wav") and result.format in ("pcm", "wav", *TELEPHONY_FORMATS):
+        if result.format in TELEPHONY_FORMATS:
+            pcm = decode_audio(data, result.format, sample_rate=result.sample_rate)[0].astype("<i2").tobytes()
+        else:
+            pcm = data[44:] if result.format == "wav" else data
         data = wav_header(result.sample_rate, num_samples=len(pcm) // 2) + pcm
     with open(path, "wb") as f:
         f.write(data)
@@ -282,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=AUDIO_FORMATS, default=None,
                         help="audio format on the wire (default: from --output's extension, pcm for .wav)")
     parser.add_argument("--speed", type=float, default=1.0)
-    parser.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="ws and grpc only")
+    parser.add_argument("--sample-rate", type=int, default=None,
+                        help="ws, grpc and riva only (default: 8000 for mulaw/alaw, else 24000)")
     parser.add_argument("--url", default=DEFAULT_URL, help="HTTP base URL (rest and ws)")
     parser.add_argument("--grpc-addr", default=DEFAULT_GRPC_ADDR)
     parser.add_argument("--api-key", default=os.environ.get("ORPHEUS_API_KEY"),

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -18,6 +16,8 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_FORMAT_OPUS: _ClassVar[AudioFormat]
     AUDIO_FORMAT_AAC: _ClassVar[AudioFormat]
     AUDIO_FORMAT_FLAC: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_MULAW: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_ALAW: _ClassVar[AudioFormat]
 AUDIO_FORMAT_UNSPECIFIED: AudioFormat
 AUDIO_FORMAT_PCM: AudioFormat
 AUDIO_FORMAT_WAV: AudioFormat
@@ -25,9 +25,11 @@ AUDIO_FORMAT_MP3: AudioFormat
 AUDIO_FORMAT_OPUS: AudioFormat
 AUDIO_FORMAT_AAC: AudioFormat
 AUDIO_FORMAT_FLAC: AudioFormat
+AUDIO_FORMAT_MULAW: AudioFormat
+AUDIO_FORMAT_ALAW: AudioFormat
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("max_tokens", "repetition_penalty", "seed", "temperature", "top_k", "top_p")
+    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -40,10 +42,10 @@ class SamplingOptions(_message.Message):
     repetition_penalty: float
     max_tokens: int
     seed: int
-    def __init__(self, temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., repetition_penalty: float | None = ..., max_tokens: int | None = ..., seed: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SynthesizeRequest(_message.Message):
-    __slots__ = ("format", "request_id", "sample_rate", "sampling", "speed", "text", "voice")
+    __slots__ = ("text", "voice", "format", "sample_rate", "speed", "sampling", "request_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -58,20 +60,20 @@ class SynthesizeRequest(_message.Message):
     speed: float
     sampling: SamplingOptions
     request_id: str
-    def __init__(self, text: str | None = ..., voice: str | None = ..., format: AudioFormat | str | None = ..., sample_rate: int | None = ..., speed: float | None = ..., sampling: SamplingOptions | _Mapping | None = ..., request_id: str | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., voice: _Optional[str] = ..., format: _Optional[_Union[AudioFormat, str]] = ..., sample_rate: _Optional[int] = ..., speed: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class AudioChunk(_message.Message):
-    __slots__ = ("audio", "index", "sample_rate")
+    __slots__ = ("audio", "sample_rate", "index")
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     audio: bytes
     sample_rate: int
     index: int
-    def __init__(self, audio: bytes | None = ..., sample_rate: int | None = ..., index: int | None = ...) -> None: ...
+    def __init__(self, audio: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class SynthesisMetrics(_message.Message):
-    __slots__ = ("audio_seconds", "finish_reason", "frames", "queue_ms", "request_id", "rtf", "samples", "text_chunks", "tokens", "ttfb_ms", "wall_ms")
+    __slots__ = ("request_id", "ttfb_ms", "queue_ms", "wall_ms", "audio_seconds", "rtf", "samples", "tokens", "frames", "text_chunks", "finish_reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFB_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -94,7 +96,7 @@ class SynthesisMetrics(_message.Message):
     frames: int
     text_chunks: int
     finish_reason: str
-    def __init__(self, request_id: str | None = ..., ttfb_ms: float | None = ..., queue_ms: float | None = ..., wall_ms: float | None = ..., audio_seconds: float | None = ..., rtf: float | None = ..., samples: int | None = ..., tokens: int | None = ..., frames: int | None = ..., text_chunks: int | None = ..., finish_reason: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., ttfb_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., wall_ms: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., rtf: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., frames: _Optional[int] = ..., text_chunks: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class SynthesizeResponse(_message.Message):
     __slots__ = ("audio", "metrics")
@@ -102,24 +104,24 @@ class SynthesizeResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     audio: AudioChunk
     metrics: SynthesisMetrics
-    def __init__(self, audio: AudioChunk | _Mapping | None = ..., metrics: SynthesisMetrics | _Mapping | None = ...) -> None: ...
+    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., metrics: _Optional[_Union[SynthesisMetrics, _Mapping]] = ...) -> None: ...
 
 class ListVoicesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("aliases", "id", "name")
+    __slots__ = ("id", "name", "aliases")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: str | None = ..., name: str | None = ..., aliases: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListVoicesResponse(_message.Message):
     __slots__ = ("voices",)
     VOICES_FIELD_NUMBER: _ClassVar[int]
     voices: _containers.RepeatedCompositeFieldContainer[Voice]
-    def __init__(self, voices: _Iterable[Voice | _Mapping] | None = ...) -> None: ...
+    def __init__(self, voices: _Optional[_Iterable[_Union[Voice, _Mapping]]] = ...) -> None: ...
