@@ -99,6 +99,12 @@ _CODECS: dict[str, _CodecSpec] = {
 }
 
 
+def supported_sample_rates(fmt: str) -> tuple[int, ...] | None:
+    """The output rates `fmt` can be coded at; None: any rate in MIN_SAMPLE_RATE..MAX_SAMPLE_RATE."""
+    spec = _CODECS.get(fmt)
+    return None if spec is None else spec.sample_rates
+
+
 def default_sample_rate(fmt: str, input_rate: int = SAMPLE_RATE) -> int:
     """The output rate when the client names none: telephony's 8 kHz for G.711, else the model's own rate."""
     return TELEPHONY_SAMPLE_RATE if fmt in TELEPHONY_FORMATS else input_rate

@@ -27,7 +27,7 @@ from ..audio import default_sample_rate
 from ..proto import AUDIO_FORMAT_NAMES
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
+from ..synthesis import InvalidRequestError, ProtocolName, SynthesisError, SynthesisRequest
 from ..validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
 from .gateway import Gateway, OutputOptions, voice_list
@@ -35,7 +35,8 @@ from .gateway import Gateway, OutputOptions, voice_list
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "orpheus.v1.Synthesizer"
-_METHOD_PREFIX = f"/{SERVICE_NAME}/"
+# Every method on the port needs the API key except the health service's.
+_OPEN_PREFIX = f"/{health.SERVICE_NAME}/"
 
 
 
@@ -46,7 +47,9 @@ class UndecodableRequest:
         self.error = error
 
 
-def _lenient(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | UndecodableRequest]:
+def lenient(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | UndecodableRequest]:
+    """A request deserializer that hands the handler an `UndecodableRequest` instead of raising."""
+
     def deserialize(data: bytes) -> Message | UndecodableRequest:
         try:
             return parse(data)
@@ -56,26 +59,24 @@ def _lenient(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | U
     return deserialize
 
 
-def add_synthesizer(servicer: pb_grpc.SynthesizerServicer, server: grpc.aio.Server) -> None:
-    """`pb_grpc.add_SynthesizerServicer_to_server`, with lenient request deserializers."""
-    handlers = {
+def synthesizer_handlers(servicer: pb_grpc.SynthesizerServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """`pb_grpc.add_SynthesizerServicer_to_server`'s handlers, with lenient request deserializers."""
+    return {
         "Synthesize": grpc.unary_stream_rpc_method_handler(
-            servicer.Synthesize, request_deserializer=_lenient(pb.SynthesizeRequest.FromString),
+            servicer.Synthesize, request_deserializer=lenient(pb.SynthesizeRequest.FromString),
             response_serializer=pb.SynthesizeResponse.SerializeToString),
         "ListVoices": grpc.unary_unary_rpc_method_handler(
-            servicer.ListVoices, request_deserializer=_lenient(pb.ListVoicesRequest.FromString),
+            servicer.ListVoices, request_deserializer=lenient(pb.ListVoicesRequest.FromString),
             response_serializer=pb.ListVoicesResponse.SerializeToString),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def _check_decoded(request: Message | UndecodableRequest) -> None:
+def check_decoded(request: Message | UndecodableRequest) -> None:
     if isinstance(request, UndecodableRequest):
         raise InvalidRequestError(f"the request message does not decode: {request.error}", param=None)
 
 
-def _reject_unknown_fields(message: Message, path: str) -> None:
+def reject_unknown_fields(message: Message, path: str) -> None:
     """A field this server does not know is an error, not silently dropped (a newer client asked for more)."""
     numbers = sorted({field.field_number for field in unknown_fields.UnknownFieldSet(message)})
     if numbers:
@@ -84,14 +85,14 @@ def _reject_unknown_fields(message: Message, path: str) -> None:
 
 def request_from_proto(request: pb.SynthesizeRequest | UndecodableRequest) -> tuple[SynthesisRequest, OutputOptions]:
     """Protobuf -> service types. Shape errors here; content errors in TTSService.validate."""
-    _check_decoded(request)
+    check_decoded(request)
     assert isinstance(request, pb.SynthesizeRequest)
-    _reject_unknown_fields(request, "SynthesizeRequest")
+    reject_unknown_fields(request, "SynthesizeRequest")
     if request.request_id:
         check_request_id(request.request_id)
     sampling: dict[str, Any] = {}
     if request.HasField("sampling"):
-        _reject_unknown_fields(request.sampling, "sampling")
+        reject_unknown_fields(request.sampling, "sampling")
         for name in ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed"):
             if request.sampling.HasField(name):
                 sampling[name] = getattr(request.sampling, name)
@@ -122,7 +123,7 @@ def metrics_to_proto(metrics: dict[str, Any]) -> pb.SynthesisMetrics:
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: SynthesisError) -> NoReturn:
+async def abort_call(context: grpc.aio.ServicerContext, exc: SynthesisError) -> NoReturn:
     code, message = grpc_status(exc)
     metadata: tuple[tuple[str, str], ...] = (("error-code", exc.code),)
     param = getattr(exc, "param", None)
@@ -146,7 +147,7 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
             stream = await self.gateway.admit("grpc", lambda: request_from_proto(request),
                                               received_at=time.perf_counter())
         except SynthesisError as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         assert stream is not None  # no disconnect watcher: a cancelled call cancels this task instead
         output = stream.output
         await context.send_initial_metadata((("x-request-id", stream.request.request_id),))
@@ -157,7 +158,7 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
                                                                 index=index))
                 index += 1
         except SynthesisError as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         finally:
             # Also on cancellation: the call's task is cancelled and the session with it.
             await stream.close()
@@ -169,17 +170,21 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
     async def ListVoices(self, request: pb.ListVoicesRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListVoicesResponse:
         try:
-            _check_decoded(request)
+            check_decoded(request)
         except InvalidRequestError as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         return pb.ListVoicesResponse(voices=[pb.Voice(**v) for v in voice_list()])
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <key>` metadata on orpheus.v1 methods; the health service stays open."""
+    """`authorization: Bearer <key>` metadata on every method but the health service's.
+
+    A refused call of a method in `counted` (method path -> protocol: the ones that synthesise) is
+    counted under its protocol, as the gateway counts every refusal."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.counted: dict[str, ProtocolName] = {}
 
     async def intercept_service(
         self,
@@ -187,14 +192,16 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(_METHOD_PREFIX):
+        method = handler_call_details.method
+        if handler is None or method.startswith(_OPEN_PREFIX):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         try:
             self.gateway.check_api_key(metadata.get("authorization"))
         except UnauthorizedError as exc:
-            if handler_call_details.method.endswith("/Synthesize"):
-                self.gateway.refused("grpc", exc)
+            protocol = self.counted.get(method)
+            if protocol is not None:
+                self.gateway.refused(protocol, exc)
             return _denying_handler(handler, exc)
         return handler
 
@@ -203,30 +210,35 @@ def _denying_handler(handler: grpc.RpcMethodHandler, exc: UnauthorizedError) -> 
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED without running it."""
 
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, exc)
+        await abort_call(context, exc)
 
     async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _abort(context, exc)
+        await abort_call(context, exc)
         yield  # makes this an async generator, like the handler it stands in for
 
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kind[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(deny_stream if handler.response_streaming else deny, **kwargs)
 
 
 class GrpcGateway:
-    """The grpc.aio server: Synthesizer + health, bound to `host:port` (port 0 picks a free one)."""
+    """The grpc.aio server: Synthesizer + health, bound to `host:port` (port 0 picks a free one).
+    More services join with `add_service` before `start()` (server.py adds Riva's)."""
 
     def __init__(self, gateway: Gateway, host: str, port: int) -> None:
         self.gateway = gateway
         max_message = gateway.config.server.max_body_bytes
+        self._auth = ApiKeyInterceptor(gateway)
         self.server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(gateway)],
+            interceptors=[self._auth],
             options=[("grpc.max_receive_message_length", max_message), ("grpc.so_reuseport", 0)],
         )
-        add_synthesizer(SynthesizerService(gateway), self.server)
+        self.service_names: list[str] = []
+        self.add_service(SERVICE_NAME, synthesizer_handlers(SynthesizerService(gateway)),
+                         counted={"Synthesize": "grpc"})
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -234,13 +246,22 @@ class GrpcGateway:
         if self.port == 0:
             raise OSError(f"gRPC could not bind {address}")
 
+    def add_service(self, name: str, handlers: dict[str, grpc.RpcMethodHandler], *,
+                    counted: dict[str, ProtocolName]) -> None:
+        """Serve `handlers` as service `name` (API key required; in the health service under its name).
+        `counted`: method name -> protocol, the methods whose refusals count as requests of that protocol."""
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        self.server.add_registered_method_handlers(name, handlers)
+        self._auth.counted.update({f"/{name}/{method}": protocol for method, protocol in counted.items()})
+        self.service_names.append(name)
+
     async def start(self) -> None:
         await self.set_serving(False)
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", *self.service_names):
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float | None) -> None:

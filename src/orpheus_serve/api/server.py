@@ -33,6 +33,7 @@ from ..config import Config
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
 from .http import create_app
+from .riva import RivaSpeechSynthesisService
 from .websocket import WebSocketProtocol
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class OrpheusServer:
         self._uvicorn = _UvicornServer(uv_config)
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")
         self._grpc = GrpcGateway(self.gateway, server_cfg.host, server_cfg.grpc_port)
+        RivaSpeechSynthesisService(self.gateway).register(self._grpc)  # Riva's TTS API on the same port
         self.grpc_port = self._grpc.port
         await self._grpc.start()
         log.info("listening: HTTP/WebSocket on %s:%d, gRPC on %s:%d (model %s, backend %s); warming up",
