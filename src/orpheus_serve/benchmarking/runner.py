@@ -92,7 +92,7 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
                 kwargs: dict[str, Any] = {"voice": voice, "fmt": "pcm", **sampling}
                 if protocol == "rest":
                     kwargs["client"] = http
-                elif protocol == "grpc":
+                elif protocol in ("grpc", "riva"):
                     kwargs["channel"] = channel
                 result = await synthesize(protocol, text, url=target.url, grpc_addr=target.grpc_addr, **kwargs)
             if progress is not None:

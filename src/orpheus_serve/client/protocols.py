@@ -1,4 +1,4 @@
-"""Streaming clients for the three protocols, shared by client.py and the benchmarks.
+"""Streaming clients for the four protocols, shared by client.py and the benchmarks.
 
 Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
 the audio bytes, the arrival time and size of every audio message (from which
@@ -244,6 +244,56 @@ async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, 
     return result
 
 
+# Riva's AudioEncoding values for the formats it carries (riva_audio.proto).
+RIVA_ENCODINGS: dict[str, int] = {"pcm": 1, "flac": 2, "mulaw": 3, "opus": 4, "alaw": 20}
+
+
+async def synthesize_riva(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                          speed: float = 1.0, sample_rate: int | None = None, api_key: str | None = None,
+                          channel: grpc.aio.Channel | None = None, timeout_s: float = 300.0,
+                          **sampling: Any) -> ClientResult:
+    """nvidia.riva.tts.RivaSpeechSynthesis/SynthesizeOnline with one message (Riva's streaming call); the
+    Orpheus sampling options and speed travel in `custom_configuration`. Riva has no final metrics message."""
+    from riva.client.proto import riva_tts_pb2 as rtts
+    from riva.client.proto import riva_tts_pb2_grpc as rtts_grpc
+
+    result = ClientResult("riva", time.perf_counter(), format=fmt, text_chars=len(text))
+    if fmt not in RIVA_ENCODINGS:
+        return result._fail("error", f"Riva carries {', '.join(RIVA_ENCODINGS)}, not {fmt}", "format")
+    sample_rate = default_sample_rate(fmt) if sample_rate is None else sample_rate
+    result.sample_rate = sample_rate
+    custom = {k: str(v) for k, v in _sampling(sampling).items()}
+    if speed != 1.0:
+        custom["speed"] = str(speed)
+    request = rtts.SynthesizeSpeechRequest(text=text, language_code="en-US", encoding=RIVA_ENCODINGS[fmt],
+                                           sample_rate_hz=sample_rate, voice_name=voice or "",
+                                           custom_configuration=custom)
+    own_channel = channel is None
+    chan = channel if channel is not None else grpc.aio.insecure_channel(address)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    try:
+        result.sent_s = time.perf_counter()
+        call = rtts_grpc.RivaSpeechSynthesisStub(chan).SynthesizeOnline(iter([request]), metadata=metadata,
+                                                                        timeout=timeout_s)
+        async for response in call:
+            if response.audio:
+                result._receive(response.audio)
+        for key, value in await call.initial_metadata():
+            if key == "x-request-id":
+                result.request_id = value
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE and not result.chunks and "connect" in (exc.details() or "").lower():
+            return result._fail("error", f"cannot connect to {address}: {exc.details()} (is the server running?)",
+                                "connect")
+        status = "rejected" if code in _REJECTED_GRPC else "error"
+        return result._fail(status, f"gRPC {code.name}: {exc.details()}", code.name)
+    finally:
+        if own_channel:
+            await chan.close()
+    return result
+
+
 async def synthesize(protocol: str, text: str, *, url: str = DEFAULT_URL, grpc_addr: str = DEFAULT_GRPC_ADDR,
                      **kwargs: Any) -> ClientResult:
     if protocol == "rest":
@@ -253,6 +303,8 @@ async def synthesize(protocol: str, text: str, *, url: str = DEFAULT_URL, grpc_a
         return await synthesize_ws(url, text, **kwargs)
     if protocol == "grpc":
         return await synthesize_grpc(grpc_addr, text, **kwargs)
+    if protocol == "riva":
+        return await synthesize_riva(grpc_addr, text, **kwargs)
     raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
 
 
@@ -292,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-rate", type=int, default=None,
                         help="ws, grpc and riva only (default: 8000 for mulaw/alaw, else 24000)")
     parser.add_argument("--url", default=DEFAULT_URL, help="HTTP base URL (rest and ws)")
-    parser.add_argument("--grpc-addr", default=DEFAULT_GRPC_ADDR)
+    parser.add_argument("--grpc-addr", default=DEFAULT_GRPC_ADDR, help="gRPC address (grpc and riva)")
     parser.add_argument("--api-key", default=os.environ.get("ORPHEUS_API_KEY"),
                         help="API key (default: $ORPHEUS_API_KEY)")
     parser.add_argument("--temperature", type=float, default=None)
