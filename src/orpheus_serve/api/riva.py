@@ -197,9 +197,9 @@ def _piece(text: str) -> str:
 
 
 def _word_timings(timings: ChunkTimings, speed: float) -> list[rtts.WordTiming]:
-    """The chunk's estimated word times in Riva's unit, milliseconds of the output audio."""
+    """The chunk's estimated word times in Riva's unit, whole milliseconds of the output audio."""
     scale = 1000.0 / speed
-    return [rtts.WordTiming(word=w.word, start_time=w.start_s * scale, end_time=w.end_s * scale)
+    return [rtts.WordTiming(word=w.word, start_time=round(w.start_s * scale), end_time=round(w.end_s * scale))
             for w in timings.words]
 
 
@@ -305,6 +305,7 @@ class RivaSpeechSynthesisService:
         reader = asyncio.create_task(self._read_more(requests, first, text, failure), name="riva-text-input")
         stream: SpeechStream | None = None
         events = None
+        step: asyncio.Future[Any] | None = None
         try:
             stream = await self._admit(build, context, disconnected=failed)
             if stream is None:  # a later message was refused while the first audio was on its way
@@ -341,6 +342,9 @@ class RivaSpeechSynthesisService:
             await abort_call(context, exc)
         finally:
             reader.cancel()
+            if step is not None and not step.done():
+                step.cancel()  # it runs the events generator: let it stop before the generator is closed
+                await asyncio.wait({step})
             if events is not None:
                 await events.aclose()
             if stream is not None:
