@@ -10,6 +10,9 @@ sim engine where an utterance must run long enough to be cancelled mid-stream.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -237,19 +240,33 @@ def test_livekit_plugins_nvidia_lists_voices_and_synthesizes_at_16khz(server: Se
     assert sum(f.samples_per_channel for f in frames) > 0.1 * 16000
 
 
-def test_pipecat_nvidia_tts_service_produces_audio_frames(server: ServerThread) -> None:
-    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
-    from pipecat.services.nvidia.tts import NvidiaTTSService
-    from pipecat.tests.utils import run_test
+# Pipecat's NvidiaTTSService under Pipecat's run_test, in a process of its own: importing pipecat replaces
+# asyncio.wait_for process-wide on Python < 3.12 (pipecat/__init__.py), which must not reach the server under test.
+_PIPECAT_RUN = """
+import asyncio, json, sys
+from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
+from pipecat.services.nvidia.tts import NvidiaTTSService
+from pipecat.tests.utils import run_test
 
-    service = NvidiaTTSService(server=server.grpc_address, use_ssl=False,
-                               settings=NvidiaTTSService.Settings(voice="English-US.Male-2"))
-    down, up = asyncio.run(run_test(service, frames_to_send=[TTSSpeakFrame("Hello there.")]))
-    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
-    assert audio and all(f.audio for f in audio)
-    assert not [f for f in [*down, *up] if isinstance(f, ErrorFrame)]
-    seconds = sum(len(f.audio) // 2 for f in audio) / audio[0].sample_rate
-    assert seconds > 0.1
+service = NvidiaTTSService(server=sys.argv[1], use_ssl=False,
+                           settings=NvidiaTTSService.Settings(voice="English-US.Male-2"))
+down, up = asyncio.run(run_test(service, frames_to_send=[TTSSpeakFrame("Hello there.")]))
+audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+print(json.dumps({"frames": [type(f).__name__ for f in down], "sample_rates": sorted({f.sample_rate for f in audio}),
+                  "sizes": [len(f.audio) for f in audio],
+                  "errors": [str(f.error) for f in [*down, *up] if isinstance(f, ErrorFrame)]}))
+"""
+
+
+def test_pipecat_nvidia_tts_service_produces_audio_frames(server: ServerThread) -> None:
+    done = subprocess.run([sys.executable, "-c", _PIPECAT_RUN, server.grpc_address], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["errors"], result
+    assert "TTSStartedFrame" in result["frames"] and "TTSStoppedFrame" in result["frames"]
+    assert result["sizes"] and all(result["sizes"]) and len(result["sample_rates"]) == 1
+    assert sum(result["sizes"]) / 2 / result["sample_rates"][0] > 0.1  # seconds of audio
 
 
 # ------------------------------------------------------------------ API keys
