@@ -181,3 +181,22 @@ def test_context_messages_that_cannot_be_used_get_errors_and_the_socket_stays_op
     assert replies[4]["error"]["param"] == "voice" and replies[4]["context_id"] == "c"
     assert replies[5]["error"]["param"] == "voice" and "first message" in replies[5]["error"]["message"]
     assert replies[6].get("done") is True and replies[6]["context_id"] == "d"
+
+
+def test_the_benchmark_client_streams_text_at_llm_speed(server: ServerThread) -> None:
+    from orpheus_serve.benchmarking.runner import input_stream_summary
+    from orpheus_serve.benchmarking.workload import LONG
+    from orpheus_serve.client.protocols import llm_pieces, synthesize_ws_context
+
+    text = LONG[0]
+    assert "".join(llm_pieces(text)) == text
+    result = asyncio.run(synthesize_ws_context(server.base_url, text, tokens_per_s=30.0, voice="tara",
+                                               **GREEDY))
+    assert result.ok, result.error
+    marks = result.input_marks
+    assert marks["first_word_s"] == result.sent_s < marks["first_clause_s"] < marks["last_word_s"]
+    # ~90 words at 30 a second: the reply takes 3 s to write, and its first sentence is spoken before that
+    assert marks["last_word_s"] - marks["first_word_s"] >= (len(llm_pieces(text)) - 1) / 30.0 - 0.05
+    summary = input_stream_summary([result])
+    assert summary["first_audio_before_last_word"] == 1 and summary["input_streams"] == 1
+    assert 0 < summary["ttfb_from_first_clause_p50_ms"] < summary["ttfb_from_first_word_p50_ms"]
