@@ -214,3 +214,24 @@ def test_a_context_with_nothing_to_say_finishes_without_audio(tiny_models: Path,
             await service.shutdown(grace_s=0)
 
     asyncio.run(scenario())
+
+
+def test_a_context_left_while_waiting_for_text_is_counted_as_cancelled(tiny_models: Path) -> None:
+    async def scenario() -> None:
+        service = service_for(tiny_models)
+        await service.start(warmup=False)
+        try:
+            req, text = context(service, "waiting")
+            text.push("Hello")  # no boundary, no complete word: nothing can start yet
+            consumer = asyncio.create_task(drain(service, req))
+            for _ in range(100):  # let it reach the wait for text
+                await asyncio.sleep(0)
+            assert service.tally.active == 1 and not consumer.done()
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+            assert (service.tally.active, service.tally.cancelled, service.tally.completed) == (0, 1, 0)
+            assert service.stats()["kv_cache"]["used_slots"] == 0
+        finally:
+            await service.shutdown(grace_s=0)
+
+    asyncio.run(scenario())
