@@ -82,14 +82,24 @@ def test_synthesize_linear_pcm_at_16khz(server: ServerThread, tts: riva.client.S
     assert native.ok and response.audio == bytes(native.audio)
 
 
-def test_synthesize_mulaw_at_8khz_is_g711_of_the_same_audio(server: ServerThread,
-                                                            tts: riva.client.SpeechSynthesisService) -> None:
+@pytest.mark.parametrize("encoding,fmt", [(AudioEncoding.MULAW, "mulaw"), (AudioEncoding.ALAW, "alaw")])
+def test_synthesize_g711_at_8khz_is_the_same_audio_coded(server: ServerThread, tts: riva.client.SpeechSynthesisService,
+                                                         encoding: int, fmt: str) -> None:
     pcm_8k = asyncio.run(api_client.synthesize_ws(server.base_url, "Hello there.", fmt="pcm", sample_rate=8000,
                                                   **GREEDY))
     assert pcm_8k.ok, pcm_8k.error
-    response = tts.synthesize("Hello there.", voice_name="tara", encoding=AudioEncoding.MULAW, sample_rate_hz=8000,
+    response = tts.synthesize("Hello there.", voice_name="tara", encoding=encoding, sample_rate_hz=8000,
                               custom_configuration=CUSTOM)
-    assert response.audio == g711_encode(bytes(pcm_8k.audio), "mulaw")  # one byte per 8 kHz sample
+    assert response.audio == g711_encode(bytes(pcm_8k.audio), fmt)  # one byte per 8 kHz sample
+
+
+def test_synthesize_flac_when_asked(server: ServerThread, tts: riva.client.SpeechSynthesisService) -> None:
+    native = asyncio.run(api_client.synthesize_ws(server.base_url, "Hello there.", fmt="pcm", sample_rate=22050,
+                                                  **GREEDY))
+    response = tts.synthesize("Hello there.", voice_name="tara", encoding=AudioEncoding.FLAC, sample_rate_hz=22050,
+                              custom_configuration=CUSTOM)
+    samples, rate = decode_audio(response.audio, "flac")
+    assert rate == 22050 and samples.tobytes() == bytes(native.audio)  # lossless
 
 
 def test_synthesize_oggopus(tts: riva.client.SpeechSynthesisService, reference_pcm: np.ndarray) -> None:
