@@ -246,7 +246,7 @@ _ERROR_DESCRIPTIONS = {
     500: "The synthesis engine failed.",
     503: "Not ready (warming up, shutting down, engine failed), the queue is full or too many connections are "
          "open; retry after `Retry-After` seconds.",
-    504: "The request waited in the queue longer than its timeout.",
+    504: "The request timed out (waiting for a slot or generating).",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
 _ERROR_HEADERS = {
