@@ -1,5 +1,6 @@
 """Generated input against a real server (sim engine and codec, no pacing): the HTTP API against its own
-OpenAPI document with schemathesis (every check), and the WebSocket with random JSON from hypothesis.
+OpenAPI document with the schemathesis CLI (`--checks all`, every phase that applies, with and without the API
+key), and the WebSocket with random JSON from hypothesis.
 
 No input may produce a 5xx, a response the document does not describe, or an abnormal close.
 Example counts are CI-sized (the whole module runs in well under a minute on two cores).
@@ -96,17 +97,20 @@ def service_decided_acceptance(ctx: Any, response: Any, case: Any) -> bool | Non
 _services: dict[int, TTSService] = {}  # the servers service_decided_acceptance judges for, by port
 
 
-def test_http_api_conforms_to_its_openapi_document(server: ServerThread) -> None:
+def test_http_api_conforms_to_its_openapi_document(server: ServerThread, tmp_path: Path) -> None:
     """The schemathesis CLI against the live server with `--checks all`: every phase that applies (the
     document's examples, coverage of its boundaries and of undocumented methods, fuzzing), data that fits the
     document and data that does not, and every check: 5xx, status codes, content types, headers and bodies as
     documented, bad input refused, good input accepted (refined by `service_decided_acceptance`), undocumented
     methods answered 405 with `Allow`, /v1/ refusing a missing or wrong key (the document declares the bearer
     key; `ignored_auth` probes without it)."""
+    # Crash records (for `st replay`) go to the test's temporary folder, not the working tree.
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(f'[cache]\ndirectory = "{tmp_path / "cache"}"\n')
     _services[server.http_port] = server.server.service
     try:
         result = CliRunner().invoke(schemathesis_cli, [
-            "run", f"{server.base_url}/openapi.json", "--checks", "all",
+            "--config-file", str(config), "run", f"{server.base_url}/openapi.json", "--checks", "all",
             "--exclude-checks", "positive_data_acceptance", "--max-examples", str(API_EXAMPLES),
             "--header", f"Authorization: Bearer {API_KEY}", "--workers", "1", "--generation-database", "none",
             "--continue-on-failure", "--no-color"], catch_exceptions=False)
