@@ -7,6 +7,8 @@ server on loopback (sim engine and codec, no pacing), and the fields those clien
   Pipecat's own test pipeline (`pipecat.tests.utils.run_test`).
 - `instructions` is accepted and ignored (`X-Orpheus-Ignored`), `stream` true or false gives the same bytes,
   `language` is `en` or absent, and the default profile takes OpenAI's 4,096 characters.
+- `/openapi.json` names these fields, the Content-Types, and the bearer key only when the server has keys
+  (tests/test_fuzz.py checks the whole document against the server with schemathesis).
 """
 
 from __future__ import annotations
@@ -163,3 +165,27 @@ def test_default_profile_takes_openais_4096_characters(http: httpx.Client) -> No
     assert len(response.content) == len(chunks) * FRAMES * SAMPLES_PER_FRAME * 2, len(response.content)
     too_long = check_openai_error(speech(http, input=text + "!"), 400, "invalid_request")
     assert too_long["param"] == "input" and str(OPENAI_MAX_INPUT) in too_long["message"], too_long
+
+
+# ------------------------------------------------------------------ the document
+
+def test_openapi_document_describes_the_fields_and_this_servers_auth(http: httpx.Client, tiny_orpheus: Path) -> None:
+    document = http.get("/openapi.json").json()
+    speech_op = document["paths"]["/v1/audio/speech"]["post"]
+    body = document["components"]["schemas"]["SpeechRequestBody"]["properties"]
+    assert {"instructions", "stream", "language"} <= set(body), sorted(body)
+    assert set(speech_op["responses"]) == {"200", "400", "401", "413", "500", "503", "504"}
+    assert {"audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav", "audio/pcm", "text/event-stream"} \
+        == set(speech_op["responses"]["200"]["content"])
+    assert "X-Orpheus-Ignored" in speech_op["responses"]["200"]["headers"]
+    assert speech_op["security"] == [{"bearer": []}] and "bearer" in document["components"]["securitySchemes"]
+    assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    # Without API keys the same server never answers 401, and its document says so.
+    keyless = start_server(sim_config(tiny_orpheus))
+    try:
+        open_document = httpx.get(f"{keyless.base_url}/openapi.json").json()
+    finally:
+        keyless.stop()
+    open_speech = open_document["paths"]["/v1/audio/speech"]["post"]
+    assert "401" not in open_speech["responses"] and "security" not in open_speech
+    assert "securitySchemes" not in open_document.get("components", {})
