@@ -5,7 +5,7 @@ import warnings
 
 from orpheus_serve.proto import orpheus_pb2 as orpheus__serve_dot_proto_dot_orpheus__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
