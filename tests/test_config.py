@@ -21,11 +21,11 @@ def test_repo_config_loads_with_documented_defaults() -> None:
     assert (cfg.scheduler.flush_first_n_tokens, cfg.scheduler.flush_every_n_tokens) == (7, 14)
     assert cfg.scheduler.policy == "fair"
     assert cfg.engine.backend == "torch"
-    assert cfg.profiles["conversational"].max_text_chars == 250
+    assert cfg.profiles["conversational"].max_text_chars == 4096  # OpenAI's limit
     assert cfg.profiles["conversational"].target_concurrent == 24
     assert cfg.profiles["longform"].max_text_chars == 5000
     assert cfg.profiles["longform"].target_ttfb_ms == 300
-    assert cfg.active_profile.max_text_chars == 250
+    assert cfg.active_profile.max_text_chars == 4096
 
 
 def test_profile_selects_preset_and_its_overrides(tmp_path: Path) -> None:

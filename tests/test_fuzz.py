@@ -1,5 +1,6 @@
 """Generated input against a real server (sim engine and codec, no pacing): the HTTP API against its own
-OpenAPI document with schemathesis (every check), and the WebSocket with random JSON from hypothesis.
+OpenAPI document with the schemathesis CLI (`--checks all`, every phase that applies, with and without the API
+key), and the WebSocket with random JSON from hypothesis.
 
 No input may produce a 5xx, a response the document does not describe, or an abnormal close.
 Example counts are CI-sized (the whole module runs in well under a minute on two cores).
@@ -9,99 +10,131 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import schemathesis
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schemathesis import GenerationMode
+from schemathesis.checks import CHECKS, load_all_checks
+from schemathesis.cli import schemathesis as schemathesis_cli
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.service import TTSService
 from orpheus_serve.synthesis import InvalidRequestError, SynthesisRequest
 from orpheus_serve.validation import documented_ranges
-from tests.gateway_support import sim_config, start_server, stats
+from tests.gateway_support import auth_header, sim_config, start_server, stats
 
-API_EXAMPLES = 40  # per operation; /v1/audio/speech is the one with a body
+API_EXAMPLES = 40  # per operation in the fuzzing phase; /v1/audio/speech is the one with a body
 WS_EXAMPLES = 120
 RANGES = documented_ranges()
+API_KEY = "fuzz-key"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_orpheus: Path):
-    # No pacing and short utterances: a fuzzed request costs milliseconds whatever its max_tokens.
+    # No pacing and short utterances: a fuzzed request costs milliseconds whatever its max_tokens. With an API
+    # key, so that the document declares it and the auth check can confirm /v1/ refuses requests without it.
     srv = start_server(sim_config(tiny_orpheus, **{"engine.sim.realtime": False, "engine.sim.end_after_frames": 2,
-                                                   "codec.sim.realtime": False}))
+                                                   "codec.sim.realtime": False, "server.api_keys": [API_KEY]}))
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def api_schema(server: ServerThread) -> Any:
-    return schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
-
-
-def speakable_in(server: ServerThread) -> Callable[[Any], bool]:
+def unspeakable(service: TTSService, case: Any) -> list[InvalidRequestError]:
     """What a JSON Schema cannot say, the service decides: whether a text has something to speak within the
     profile's limits once normalised, and whether a voice name is known (README, "Input validation and text
-    hygiene"). Valid cases are drawn among the ones that pass this; everything else they carry is the schema's."""
-    service = server.server.service
-
-    def speakable(case: Any) -> bool:
-        body = case.body if isinstance(case.body, dict) else None
-        if body is None:
-            return True
-        for name in ("top_k", "seed", "max_tokens"):
-            # The generator and the checker work with doubles past 2**53: they take 2**64 + 383 (or the float
-            # 1.8446744073709552e19) for a seed under `maximum: 2**64 - 1`. Valid means valid in exact arithmetic.
-            value = body.get(name)
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if isinstance(value, int) and value not in RANGES[name]:
-                return False
-        text = body.get("input") if body.get("input") is not None else body.get("text")
-        if body.get("input") is not None and body.get("text") is not None and body["input"] != body["text"]:
-            return False
-        try:
-            service.validate(SynthesisRequest(text=text, voice=body.get("voice")))
-        except InvalidRequestError:
-            return False
-        return True
-
-    return speakable
+    hygiene"). The service's reasons to refuse a body that fits the document; [] if it has none."""
+    body = case.body if isinstance(case.body, dict) else None
+    if body is None:
+        return []
+    reasons = []
+    for name in ("top_k", "seed", "max_tokens"):
+        # The generator and the checker work with doubles past 2**53: they take 2**64 + 383 (or the float
+        # 1.8446744073709552e19) for a seed under `maximum: 2**64 - 1`. Valid means valid in exact arithmetic.
+        value = body.get(name)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and value not in RANGES[name]:
+            reasons.append(InvalidRequestError(f"{name} is out of range", param=name))
+    text = body.get("input") if body.get("input") is not None else body.get("text")
+    if body.get("input") is not None and body.get("text") is not None and body["input"] != body["text"]:
+        reasons.append(InvalidRequestError("two different texts", param="text"))
+    try:
+        service.validate(SynthesisRequest(text=text, voice=body.get("voice")))
+    except InvalidRequestError as exc:
+        reasons.append(exc)
+    return reasons
 
 
-def test_http_api_conforms_to_its_openapi_document(api_schema: Any, server: ServerThread) -> None:
-    """Every operation, with data that fits the document and (where it has input) data that does not,
-    under every check schemathesis has (5xx, status codes, content types, headers and bodies as
-    documented, bad input refused, good input accepted, ...)."""
-    operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
-        "POST /v1/audio/speech", "GET /v1/audio/voices", "GET /v1/models", "GET /v1/stats", "GET /health",
-        "GET /ready", "GET /metrics"}
-    for operation in operations:
-        strategies = [operation.as_strategy(GenerationMode.POSITIVE).filter(speakable_in(server))]
-        if operation.body or operation.query or operation.path_parameters:
-            strategies.append(operation.as_strategy(GenerationMode.NEGATIVE))
-        for strategy in strategies:
-            @given(case=strategy)
-            @settings(max_examples=API_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-                      database=None)
-            def conforms(case: Any) -> None:
-                case.call_and_validate()
+@schemathesis.check
+def service_decided_acceptance(ctx: Any, response: Any, case: Any) -> bool | None:
+    """schemathesis's `positive_data_acceptance` (a body that fits the document is accepted), except for the
+    bodies the service refuses for what a schema cannot say (`unspeakable`): those must get a 400 naming one of
+    the parameters at fault."""
+    service = _services.get(urlsplit(response.request.url).port)
+    meta = case.meta
+    if service is None or meta is None or not meta.generation.mode.is_positive or response.status_code == 401:
+        return positive_data_acceptance(ctx, response, case)
+    reasons = unspeakable(service, case)
+    if not reasons:
+        return positive_data_acceptance(ctx, response, case)
+    error = json.loads(response.content)["error"] if response.status_code == 400 else {}
+    if error.get("param") not in {reason.param for reason in reasons}:
+        raise AssertionError(f"{case.body!r}: expected 400 naming one of {[str(r) for r in reasons]}; got "
+                             f"{response.status_code} {response.content[:300]!r}")
+    return None
 
-            conforms()
+
+_services: dict[int, TTSService] = {}  # the servers service_decided_acceptance judges for, by port
+
+
+def test_http_api_conforms_to_its_openapi_document(server: ServerThread, tmp_path: Path) -> None:
+    """The schemathesis CLI against the live server with `--checks all`: every phase that applies (the
+    document's examples, coverage of its boundaries and of undocumented methods, fuzzing), data that fits the
+    document and data that does not, and every check: 5xx, status codes, content types, headers and bodies as
+    documented, bad input refused, good input accepted (refined by `service_decided_acceptance`), undocumented
+    methods answered 405 with `Allow`, /v1/ refusing a missing or wrong key (the document declares the bearer
+    key; `ignored_auth` probes without it)."""
+    # Crash records (for `st replay`) go to the test's temporary folder, not the working tree.
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(f'[cache]\ndirectory = "{tmp_path / "cache"}"\n')
+    _services[server.http_port] = server.server.service
+    try:
+        result = CliRunner().invoke(schemathesis_cli, [
+            "--config-file", str(config), "run", f"{server.base_url}/openapi.json", "--checks", "all",
+            "--exclude-checks", "positive_data_acceptance", "--max-examples", str(API_EXAMPLES),
+            "--header", f"Authorization: Bearer {API_KEY}", "--workers", "1", "--generation-database", "none",
+            "--continue-on-failure", "--no-color"], catch_exceptions=False)
+    finally:
+        del _services[server.http_port]
+    assert result.exit_code == 0, result.output[-20_000:]
+    # Every operation was exercised, with and without a body fitting the document.
+    assert "7 selected / 7 total" in result.output and "Tested: 7" in result.output, result.output
+    assert "Coverage" in result.output and "Fuzzing" in result.output, result.output
+
+
+def test_every_check_is_included() -> None:
+    load_all_checks()
+    assert set(CHECKS.get_all_names()) >= {
+        "not_a_server_error", "status_code_conformance", "content_type_conformance", "response_headers_conformance",
+        "response_schema_conformance", "negative_data_rejection", "positive_data_acceptance",
+        "missing_required_header", "unsupported_method", "allow_header_conformance", "ignored_auth",
+        "service_decided_acceptance"}
 
 
 def test_no_fuzzed_request_was_a_server_error(server: ServerThread) -> None:
     requests = stats(server)["gateway"]["requests"]["rest"]
     assert requests.get("ok", 0) >= 10 and requests.get("invalid_request", 0) >= 10, requests
+    assert requests.get("invalid_api_key", 0) >= 1, requests  # the auth check probed without the key
     assert not {"internal_error", "engine_error"} & set(requests), requests
 
 
@@ -132,7 +165,8 @@ replies: Counter[str] = Counter()
 
 @pytest.fixture(scope="module")
 def ws(server: ServerThread):
-    with ws_connect(api_client.stream_url(server.base_url), max_size=None) as connection:
+    with ws_connect(api_client.stream_url(server.base_url), max_size=None,
+                    additional_headers=auth_header(server)) as connection:
         yield connection
 
 

@@ -27,7 +27,7 @@ from orpheus_serve.protocol import SAMPLES_PER_FRAME
 from orpheus_serve.synthesis import PROTOCOLS
 from tests.gateway_support import check_openai_error, metric_values, sim_config, start_server, stats, wait_for
 
-MAX_TEXT = 250  # the conversational profile's max_text_chars
+MAX_TEXT = 4096  # the conversational profile's max_text_chars (OpenAI's limit)
 # The sim engine ends an utterance after a seeded pseudo-random count between half and all of the frames
 # max_tokens allows: 4..7 frames here.
 SHORT = {"max_tokens": 56}
@@ -361,7 +361,7 @@ def test_bad_input_gets_the_right_4xx_while_a_good_stream_is_untouched(server: S
 def test_error_bodies_name_the_parameter(server: ServerThread) -> None:
     speech = f"{server.base_url}/v1/audio/speech"
     assert check_openai_error(httpx.post(speech, json={"input": "hi", "speed": 9}), 400)["param"] == "speed"
-    assert check_openai_error(httpx.post(speech, json={"input": "a" * 300}), 400)["param"] == "input"
+    assert check_openai_error(httpx.post(speech, json={"input": "a" * (MAX_TEXT + 1)}), 400)["param"] == "input"
     assert check_openai_error(httpx.post(speech, json={"input": "hi", "response_format": "x"}),
                               400)["param"] == "response_format"
     check_openai_error(httpx.post(speech, content=b"x" * 70_000), 413, "request_too_large")

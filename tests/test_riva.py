@@ -10,6 +10,7 @@ sim engine where an utterance must run long enough to be cancelled mid-stream.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -268,6 +269,7 @@ print(json.dumps({"frames": [type(f).__name__ for f in down], "sample_rates": so
 """
 
 
+@pytest.mark.skipif(importlib.util.find_spec("pipecat") is None, reason="pipecat-ai needs Python 3.11")
 def test_pipecat_nvidia_tts_service_produces_audio_frames(server: ServerThread) -> None:
     done = subprocess.run([sys.executable, "-c", _PIPECAT_RUN, server.grpc_address], capture_output=True,
                           text=True, timeout=240)

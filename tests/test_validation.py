@@ -41,7 +41,7 @@ def test_bounds_are_the_config_fields_own_limits_and_the_engines() -> None:
     assert field_range(SamplingConfig, "max_tokens") == Range(7)
     limits = Limits.from_config(load_config(env={}), max_seq_len=4096, chunk_chars=200)
     assert limits.top_k == Range(0, protocol.VOCAB_SIZE)  # the config says >= 0; the vocabulary says the rest
-    assert (limits.max_text_chars, limits.max_prompt_tokens, limits.max_seq_len) == (250, 500, 4096)
+    assert (limits.max_text_chars, limits.max_prompt_tokens, limits.max_seq_len) == (4096, 8192, 4096)
     longform = Limits.from_config(load_config(profile="longform", env={},
                                               overrides={"profiles.longform.max_prompt_tokens": 4000}),
                                   max_seq_len=4096, chunk_chars=200)
@@ -100,9 +100,9 @@ def bad(**fields: Any) -> SynthesisRequest:
     (bad(text="\U0001F600" * 10), "input", "input text is empty"),
     (bad(text="\U0001F600 ?! \u2026"), "input", "input has nothing to speak"),
     # 20 characters as sent, 360 after NFKC (U+FDFA is one character standing for 18).
-    (bad(text="\ufdfa" * 20), "input", "input is 360 characters after normalisation; at most 250"),
+    (bad(text="\ufdfa" * 228), "input", "input is 4104 characters after normalisation; at most 4096"),
     # 200 characters, 4 tokens each for this tokenizer: under the character limit, over the token one.
-    (bad(text="\U00020000" * 200), "input", "input is 800 tokens after normalisation; at most 500"),
+    (bad(text="\U00020000" * 2050), "input", "input is 8200 tokens after normalisation; at most 8192"),
 ])
 def test_each_bad_field_is_refused_naming_its_parameter(request_: SynthesisRequest, param: str, message: str,
                                                         limits: Limits, prompt_len) -> None:

@@ -25,6 +25,10 @@ from orpheus_serve.word_timings import words_of
 from tests.gateway_support import stats, tiny_config
 
 REPLY = "Sure, I can help with that. The weather today is sunny, with a light breeze. Anything else?"
+# A reply as long as an agent's usual turn: ~60 words, three seconds of writing at 50 ms a word.
+LONG_REPLY = ("Sure, I can help with that. " + "The weather today is sunny, with a light breeze from the west, "
+              "and it should stay that way until the evening. " * 2 + "If you go out later, take a jacket. "
+              "Anything else I can check for you?")
 GREEDY = {"temperature": 0.0, "max_tokens": 42}
 
 
@@ -58,7 +62,7 @@ def test_words_pushed_as_an_llm_writes_them_are_spoken_before_the_reply_ends(ser
         messages: list[dict[str, Any]] = []
         timeline: list[tuple[float, str]] = []
         async with connect(stream_url(server.base_url), max_size=None) as ws:
-            words = REPLY.split(" ")
+            words = LONG_REPLY.split(" ")
             await ws.send(json.dumps({"context_id": "reply-1", "text": words[0] + " ", "voice": "tara",
                                       "response_format": "pcm", "timestamps": True, **GREEDY}))
             reader = asyncio.create_task(receive_until(ws, lambda b: "done" in b or "error" in b, audio, messages,
@@ -79,7 +83,7 @@ def test_words_pushed_as_an_llm_writes_them_are_spoken_before_the_reply_ends(ser
     stamps = [m for m in messages if "timestamps" in m]
     assert stamps and all(m["context_id"] == "reply-1" for m in stamps)
     words = [w for m in stamps for w in m["timestamps"]["words"]]
-    assert [w["word"] for w in words] == words_of(REPLY)
+    assert [w["word"] for w in words] == words_of(LONG_REPLY)
     assert all(m["timestamps"]["estimated"] is True for m in stamps)
     starts = [w["start_s"] for w in words]
     assert starts == sorted(starts) and words[-1]["end_s"] <= len(audio) / 2 / SAMPLE_RATE + 1e-3

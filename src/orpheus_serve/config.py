@@ -195,7 +195,7 @@ class ProfileConfig(_Strict):
 
 
 DEFAULT_PROFILES = {
-    "conversational": ProfileConfig(max_text_chars=250, target_concurrent=24, target_ttfb_ms=100),
+    "conversational": ProfileConfig(max_text_chars=4096, target_concurrent=24, target_ttfb_ms=100),
     "longform": ProfileConfig(max_text_chars=5000, target_concurrent=16, target_ttfb_ms=300),
 }
 

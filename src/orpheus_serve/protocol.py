@@ -58,7 +58,10 @@ EMOTION_TAGS: tuple[str, ...] = (
     "<yawn>",
     "<gasp>",
 )
-# OpenAI's voice names, accepted as documented aliases so existing clients work unchanged.
+# OpenAI's voice names, so that clients with a validated OpenAI voice list work unchanged. Each maps to the
+# Orpheus voice nearest in character (register and tone). `marin` and `cedar`, which OpenAI recommends as its
+# most natural voices, map to the first female and first male voice of Orpheus's own ranking by conversational
+# realism (tara, leah, jess, leo, dan, mia, zac, zoe).
 OPENAI_VOICE_ALIASES: dict[str, str] = {
     "alloy": "tara",
     "ash": "dan",
@@ -71,6 +74,8 @@ OPENAI_VOICE_ALIASES: dict[str, str] = {
     "sage": "zoe",
     "shimmer": "mia",
     "verse": "dan",
+    "marin": "tara",
+    "cedar": "leo",
 }
 
 

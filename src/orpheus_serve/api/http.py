@@ -18,10 +18,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -36,7 +36,17 @@ from ..metrics import PROMETHEUS_CONTENT_TYPE
 from ..synthesis import InvalidRequestError, SynthesisError
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
-from .schemas import ErrorBody, ReadinessBody, SpeechRequestBody, first_validation_error
+from .schemas import (
+    IGNORED_HEADER,
+    ErrorBody,
+    HealthBody,
+    ModelList,
+    ReadinessBody,
+    SpeechRequestBody,
+    StatsBody,
+    VoiceList,
+    first_validation_error,
+)
 from .websocket import STREAM_PATH, add_stream_route
 
 log = logging.getLogger(__name__)
@@ -229,14 +239,43 @@ class SpeechResponse(StreamingResponse):
                 self.stream.gateway.reset_connection(scope.get("client"))
 
 
+_ERROR_DESCRIPTIONS = {
+    400: "The request is invalid; `param` names the parameter at fault.",
+    401: "Missing or wrong API key (only when the server has `server.api_keys`).",
+    413: "The request body exceeds `server.max_body_bytes`.",
+    500: "The synthesis engine failed.",
+    503: "Not ready (warming up, shutting down, engine failed), the queue is full or too many connections are "
+         "open; retry after `Retry-After` seconds.",
+    504: "The request timed out (waiting for a slot or generating).",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
+_ERROR_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "`Bearer`.", "schema": {"type": "string"}}},
+    503: _RETRY_AFTER,
+}
+
+
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for error statuses, all with the OpenAI error body."""
-    return {status: {"model": ErrorBody} for status in statuses}
+    return {status: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS[status],
+                     **({"headers": _ERROR_HEADERS[status]} if status in _ERROR_HEADERS else {})}
+            for status in statuses}
+
+
+def _format_list() -> str:
+    return ", ".join(f"`{fmt}` {media}" for fmt, media in CONTENT_TYPES.items())
 
 
 _SPEECH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The audio, streamed as it is generated (or `speech.audio.delta` events with "
-                         "`stream_format: sse`).",
+    200: {"description": "The audio, streamed as it is generated, in the Content-Type of its `response_format` "
+                         f"({_format_list()}); with `stream_format: sse`, `text/event-stream` carrying "
+                         "`speech.audio.delta` and `speech.audio.done` events.",
+          "headers": {
+              "X-Request-Id": {"description": "The request's id (also in the server's logs and metrics).",
+                               "schema": {"type": "string"}},
+              IGNORED_HEADER: {"description": "Request fields accepted for compatibility but not honoured "
+                                              "(`instructions`), comma-separated.",
+                               "schema": {"type": "string"}}},
           "content": {**{media: {"schema": {"type": "string", "format": "binary"}}
                          for media in sorted(set(CONTENT_TYPES.values()))},
                       # One server-sent event each: its data is one JSON event (OpenAI's names).
@@ -247,6 +286,22 @@ _SPEECH_RESPONSES: dict[int | str, dict[str, Any]] = {
                               "contentSchema": {"type": "object", "required": ["type"], "properties": {
                                   "type": {"enum": ["speech.audio.delta", "speech.audio.done", "error"]}}}}}}}}},
     **_errors(400, 401, 413, 500, 503, 504),
+}
+
+
+# One example per output (the document's examples are also what API tools try first).
+_SPEECH_EXAMPLES: dict[str, Any] = {
+    **{fmt: {"summary": f"{fmt} ({media})",
+             "value": {"model": "orpheus", "input": "Hello there! How can I help you today?", "voice": "tara",
+                       "response_format": fmt}}
+       for fmt, media in CONTENT_TYPES.items()},
+    "sse": {"summary": "server-sent events (`speech.audio.delta`, base64 PCM)",
+            "value": {"model": "orpheus", "input": "Hi <laugh> that is funny.", "voice": "leo",
+                      "response_format": "pcm", "stream_format": "sse"}},
+    "openai-client": {"summary": "what a voice-agent framework's OpenAI client sends",
+                      "value": {"model": "tts-1", "input": "Your table is booked for seven.", "voice": "marin",
+                                "response_format": "pcm", "instructions": "Speak warmly.", "stream": True,
+                                "language": "en", "speed": 1.0}},
 }
 
 
@@ -329,18 +384,22 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
         return JSONResponse(openai_error_body("internal server error", type="server_error", code="internal_error"),
                             status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthBody)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", response_model=ReadinessBody, responses={503: {"model": ReadinessBody}})
+    @app.get("/ready", response_model=ReadinessBody,
+             responses={503: {"model": ReadinessBody, "headers": _RETRY_AFTER,
+                              "description": "Not serving now: warming up, shutting down, engine failed or "
+                                             "saturated."}})
     async def ready() -> JSONResponse:
         state = gateway.readiness()
         if state == "ready":
             return JSONResponse({"status": state})
         return JSONResponse({"status": state}, status_code=503, headers={"Retry-After": "1"})
 
-    @app.get("/v1/models")
+    # response_model_exclude_unset: the handlers' dicts go out as they are, checked against the documented model.
+    @app.get("/v1/models", response_model=ModelList, response_model_exclude_unset=True, responses=_errors(401))
     async def models() -> dict[str, Any]:
         info = gateway.service.model_info
         card = {"id": info.id, "object": "model", "created": int(gateway.started_at), "owned_by": "orpheus-serve",
@@ -351,20 +410,23 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             out["warning"] = info.warning or "serving the tiny random-weight model: the audio is noise"
         return out
 
-    @app.get("/v1/audio/voices")
+    @app.get("/v1/audio/voices", response_model=VoiceList, responses=_errors(401))
     async def voices() -> dict[str, Any]:
         return {"voices": voice_list()}
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", response_model=StatsBody, response_model_exclude_unset=True, responses=_errors(401))
     async def stats() -> dict[str, Any]:
         return gateway.stats()
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format.",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.post(SPEECH_PATH, response_class=StreamingResponse, responses=_SPEECH_RESPONSES)
-    async def create_speech(body: SpeechRequestBody, request: Request) -> Response:
+    async def create_speech(body: Annotated[SpeechRequestBody, Body(openapi_examples=_SPEECH_EXAMPLES)],
+                            request: Request) -> Response:
         stream = await gateway.admit("rest", lambda: (body.synthesis_request(), body.output_options()),
                                      received_at=request.scope.get(RECEIVED_AT_KEY, time.perf_counter()),
                                      disconnected=lambda: _client_disconnected(request))
@@ -372,12 +434,16 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             # The client left while queued; the session is cancelled and nobody reads this.
             return Response(status_code=499)
         headers = {"X-Request-Id": stream.request.request_id, "Cache-Control": "no-cache"}
+        if ignored := body.ignored_fields():
+            log.debug("request %s: ignoring %s (Orpheus cannot honour them)", stream.request.request_id,
+                      ", ".join(ignored))
+            headers[IGNORED_HEADER] = ",".join(ignored)
         if body.stream_format == "sse":
             return SpeechResponse(stream, _sse_events(stream), media_type="text/event-stream", headers=headers)
         return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)
 
     add_stream_route(app, gateway)
-    app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
     if config.server.playground:
         # The page refers to its files and to the API by relative URLs, so the same file works at / and at
         # /playground, and under a proxy's path prefix.
@@ -393,13 +459,22 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     return app
 
 
-def _openapi_document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document, less the 422 it adds to every route with input: this API answers 400."""
+def _openapi_document(app: FastAPI, *, bearer: bool) -> dict[str, Any]:
+    """FastAPI's document, less the 422 it adds to every route with input (this API answers 400), and with
+    the bearer key on /v1/ when the server has API keys (and only then: the document describes this server)."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for operations in document["paths"].values():
+        for path, operations in document["paths"].items():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
+                if path.startswith(PROTECTED_PREFIX):
+                    if bearer:
+                        operation["security"] = [{"bearer": []}]
+                    else:
+                        operation["responses"].pop("401", None)
+        if bearer:
+            document.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "One of `server.api_keys`."}}
         schemas = document.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)

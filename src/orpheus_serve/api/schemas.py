@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat, default_sample_rate
 from ..synthesis import InvalidRequestError, SynthesisRequest
@@ -22,6 +22,7 @@ from ..validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, documented_ra
 from .gateway import OutputOptions
 
 _RANGES = documented_ranges()
+IGNORED_HEADER = "X-Orpheus-Ignored"  # request fields accepted for compatibility but not honoured, comma-separated
 
 
 def _integral(value: Any) -> Any:
@@ -84,16 +85,37 @@ class SpeechFields(BaseModel):
         )
 
 
+def _english(value: str | None) -> str | None:
+    if value is not None and value != "en":
+        raise ValueError(f"{value!r} is not supported: the Orpheus voices speak English; send \"en\" or leave it out")
+    return value
+
+
 class SpeechRequestBody(SpeechFields):
     """POST /v1/audio/speech (OpenAI's fields plus the Orpheus extras)."""
 
     model: str = Field("orpheus", min_length=1, description="Accepted for compatibility; one model is served.")
     response_format: AudioFormat = "mp3"
     stream_format: Literal["audio", "sse"] = "audio"
+    # Voice-agent frameworks (LiveKit, Pipecat) send these OpenAI fields; refusing them would break those clients.
+    instructions: str | None = Field(
+        None, description="Accepted and ignored: Orpheus cannot follow free-form instructions (steer delivery "
+                          "with tags such as `<laugh>` in the text). A response to a request that sets it carries "
+                          f"`{IGNORED_HEADER}: instructions`.")
+    stream: bool | None = Field(
+        None, description="Accepted for compatibility: the audio always streams as it is generated; `false` "
+                          "returns the same bytes.")
+    language: Annotated[str | None, AfterValidator(_english)] = Field(
+        None, description="`en` or left out: the Orpheus voices speak English; any other value is refused.",
+        json_schema_extra={"anyOf": [{"type": "string", "enum": ["en"]}, {"type": "null"}]})
 
     def output_options(self) -> OutputOptions:
         return OutputOptions(format=self.response_format, sample_rate=default_sample_rate(self.response_format),
                              speed=self.speed)
+
+    def ignored_fields(self) -> list[str]:
+        """The fields given that the server cannot honour (named in the response's IGNORED_HEADER)."""
+        return ["instructions"] if self.instructions else []
 
 
 class StreamRequestMessage(SpeechFields):
@@ -163,7 +185,77 @@ class ErrorBody(BaseModel):
 
 
 class ReadinessBody(BaseModel):
-    status: Literal["ready", "warming_up", "shutting_down", "engine_failed"]
+    status: Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]
+
+
+class HealthBody(BaseModel):
+    status: Literal["ok"]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    backend: str
+    model_path: str
+    codec_path: str
+    tiny: bool = Field(description="The tiny random-weight model: its audio is noise.")
+    warning: str | None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models (OpenAI's list shape; `warning` only while the tiny model is served)."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+    warning: str | None = None
+
+
+class Voice(BaseModel):
+    id: str
+    name: str
+    aliases: list[str] = Field(description="OpenAI voice names accepted for this voice.")
+
+
+class VoiceList(BaseModel):
+    voices: list[Voice]
+
+
+class _Snapshot(BaseModel):
+    """A part of the /v1/stats snapshot: the figures named here always, more as the server reports them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class SchedulerStats(_Snapshot):
+    total_sessions: int
+    active_sessions: int
+    pending_sessions: int
+    max_concurrent: int
+
+
+class KvCacheStats(_Snapshot):
+    used_slots: int
+    free_slots: int
+
+
+class GatewayStats(_Snapshot):
+    uptime_s: float
+    open_connections: int
+    max_connections: int
+    active_streams: dict[str, int] = Field(description="Open streams by protocol.")
+    requests: dict[str, dict[str, int]] = Field(description="Finished requests by protocol and outcome.")
+
+
+class StatsBody(_Snapshot):
+    """GET /v1/stats: the scheduler, KV-cache and throughput snapshot (DESIGN §7)."""
+
+    scheduler: SchedulerStats
+    kv_cache: KvCacheStats
+    total_tokens: int
+    total_batches: int
+    gateway: GatewayStats
 
 
 def parse_error_param(loc: tuple[Any, ...] | list[Any], skip: tuple[str, ...] = ("body",)) -> str | None:
