@@ -175,8 +175,8 @@ def test_openapi_document_describes_the_fields_and_this_servers_auth(http: httpx
     body = document["components"]["schemas"]["SpeechRequestBody"]["properties"]
     assert {"instructions", "stream", "language"} <= set(body), sorted(body)
     assert set(speech_op["responses"]) == {"200", "400", "401", "413", "500", "503", "504"}
-    assert {"audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav", "audio/pcm", "text/event-stream"} \
-        == set(speech_op["responses"]["200"]["content"])
+    assert {"audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav", "audio/pcm", "audio/basic",
+            "audio/x-alaw-basic", "text/event-stream"} == set(speech_op["responses"]["200"]["content"])
     assert "X-Orpheus-Ignored" in speech_op["responses"]["200"]["headers"]
     assert speech_op["security"] == [{"bearer": []}] and "bearer" in document["components"]["securitySchemes"]
     assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
