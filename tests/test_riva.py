@@ -253,15 +253,20 @@ def test_livekit_plugins_nvidia_lists_voices_and_synthesizes_at_16khz(server: Se
 
 # Pipecat's NvidiaTTSService under Pipecat's run_test, in a process of its own: importing pipecat replaces
 # asyncio.wait_for process-wide on Python < 3.12 (pipecat/__init__.py), which must not reach the server under test.
+# per_sentence: one SynthesizeOnline call per sentence; stitched: one call for the whole LLM turn, its sentences
+# streamed in as separate messages (one context here).
 _PIPECAT_RUN = """
 import asyncio, json, sys
-from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
-from pipecat.services.nvidia.tts import NvidiaTTSService
+from pipecat.frames.frames import (ErrorFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame,
+                                   TTSAudioRawFrame)
+from pipecat.services.nvidia.tts import NvidiaTTSService, NvidiaTTSSynthesisMode
 from pipecat.tests.utils import run_test
 
-service = NvidiaTTSService(server=sys.argv[1], use_ssl=False,
-                           settings=NvidiaTTSService.Settings(voice="English-US.Male-2"))
-down, up = asyncio.run(run_test(service, frames_to_send=[TTSSpeakFrame("Hello there.")]))
+service = NvidiaTTSService(server=sys.argv[1], use_ssl=False, settings=NvidiaTTSService.Settings(
+    voice="English-US.Male-2", synthesis_mode=NvidiaTTSSynthesisMode(sys.argv[2])))
+turn = [LLMFullResponseStartFrame(), LLMTextFrame("Hello there, how are you today? "),
+        LLMTextFrame("I am fine, thanks. "), LLMTextFrame("Bye now."), LLMFullResponseEndFrame()]
+down, up = asyncio.run(run_test(service, frames_to_send=turn))
 audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
 print(json.dumps({"frames": [type(f).__name__ for f in down], "sample_rates": sorted({f.sample_rate for f in audio}),
                   "sizes": [len(f.audio) for f in audio],
@@ -270,15 +275,20 @@ print(json.dumps({"frames": [type(f).__name__ for f in down], "sample_rates": so
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pipecat") is None, reason="pipecat-ai needs Python 3.11")
-def test_pipecat_nvidia_tts_service_produces_audio_frames(server: ServerThread) -> None:
-    done = subprocess.run([sys.executable, "-c", _PIPECAT_RUN, server.grpc_address], capture_output=True,
+@pytest.mark.parametrize("mode,calls", [("per_sentence", 3), ("stitched", 1)])
+def test_pipecat_nvidia_tts_service_produces_audio_frames(server: ServerThread, mode: str, calls: int) -> None:
+    before = stats(server)["gateway"]["requests"]["riva"].get("ok", 0)
+    done = subprocess.run([sys.executable, "-c", _PIPECAT_RUN, server.grpc_address, mode], capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not result["errors"], result
     assert "TTSStartedFrame" in result["frames"] and "TTSStoppedFrame" in result["frames"]
     assert result["sizes"] and all(result["sizes"]) and len(result["sample_rates"]) == 1
-    assert sum(result["sizes"]) / 2 / result["sample_rates"][0] > 0.1  # seconds of audio
+    # At least two generation chunks (stitched: the first sentence, then the rest), each at least min_tokens
+    # (4 frames) of audio, at Pipecat's output rate.
+    assert sum(result["sizes"]) / 2 / result["sample_rates"][0] >= 2 * 4 * SAMPLES_PER_FRAME / SAMPLE_RATE - 0.01
+    assert stats(server)["gateway"]["requests"]["riva"].get("ok", 0) == before + calls
 
 
 # ------------------------------------------------------------------ API keys
