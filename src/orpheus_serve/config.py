@@ -168,6 +168,17 @@ class ServerConfig(_Strict):
     playground: bool = True  # the web page at / and /playground (static files, no internet needed)
 
 
+class StreamInputConfig(_Strict):
+    """Incremental text (contexts, DESIGN §5b): when text that arrives in pieces becomes a generation chunk."""
+
+    # A clause boundary (, ; : or a dash) cuts a chunk once this much text precedes it; a sentence end always does.
+    min_chunk_chars: int = Field(24, ge=1, le=200)
+    # Complete words buffered this long without a boundary are cut anyway, so speech starts while text trickles in.
+    max_buffer_delay_ms: float = Field(400.0, ge=0, le=10_000)
+    max_buffered_chars: int = Field(4096, ge=200)  # text pushed and not yet generated; past it a push is refused
+    idle_timeout_s: float = Field(30.0, gt=0)  # a context with nothing buffered and no text for this long ends
+
+
 class ProfileConfig(_Strict):
     max_text_chars: int = Field(ge=1)  # counted after normalisation (text.py)
     # Tokens of the normalised text, all chunks together; None: 2 x max_text_chars (a character limit alone
@@ -195,6 +206,7 @@ class Config(_Strict):
     engine: EngineConfig = EngineConfig()
     sampling: SamplingConfig = SamplingConfig()
     server: ServerConfig = ServerConfig()
+    stream_input: StreamInputConfig = StreamInputConfig()
     profiles: dict[str, ProfileConfig] = dict(DEFAULT_PROFILES)
 
     @model_validator(mode="after")

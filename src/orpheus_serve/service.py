@@ -32,17 +32,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import protocol
 from .config import Config
-from .engine_client import EngineCoreClient, SessionDone
+from .engine_client import EngineCoreClient, SessionDone, SessionOutput
 from .scheduler import AdmissionError, SchedulerFullError, SessionRequest
 from .stats import RequestOutcome, RequestTally, ServiceSnapshot, saturation, service_stats
 from .step import SEED_MAX
 from .synthesis import (
     AudioChunk,
+    ChunkTimings,
     EngineFailureError,
     InvalidRequestError,
     ModelInfo,
@@ -53,7 +54,9 @@ from .synthesis import (
     SynthesisTimeoutError,
 )
 from .text import TEXT_CHUNK_CHARS, speech_chunks
+from .text_stream import TextChunk, TextStream
 from .validation import Limits, resolve_sampling, validate_request
+from .word_timings import AudioEnvelope, estimate_word_timings
 
 if TYPE_CHECKING:
     from .service_builder import TokenLog
@@ -140,8 +143,9 @@ class TTSService:
     def prompt_ids(self, voice: str, text: str) -> tuple[int, ...]:
         return tuple(protocol.build_prompt_ids(self._tokenizer, voice, text))
 
-    async def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]:
-        """AudioChunk items, then one SynthesisMetrics. Closing early cancels."""
+    async def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | ChunkTimings | SynthesisMetrics]:
+        """AudioChunk items (and, with timestamps or incremental text, a ChunkTimings after each text chunk's
+        audio), then one SynthesisMetrics. Closing early cancels."""
         if not self.accepting:
             raise ServiceUnavailableError("the server is not accepting requests (starting up or shutting down)")
         if not self.engine_alive:
@@ -157,70 +161,102 @@ class TTSService:
             async for item in items:
                 yield item
 
-    async def _synthesize(self, req: SynthesisRequest, *, count: bool) -> AsyncIterator[AudioChunk | SynthesisMetrics]:
+    async def _synthesize(self, req: SynthesisRequest, *, count: bool
+                          ) -> AsyncIterator[AudioChunk | ChunkTimings | SynthesisMetrics]:
         received = time.monotonic()
-        chunks = speech_chunks(req.text)
-        if not chunks:
-            raise InvalidRequestError("input has no text to speak after normalisation", param="input")
-        metrics = SynthesisMetrics(request_id=req.request_id, text_chunks=len(chunks))
+        if req.text_input is not None:
+            text = req.text_input
+        else:
+            chunks = speech_chunks(req.text)
+            if not chunks:
+                raise InvalidRequestError("input has no text to speak after normalisation", param="input")
+            text = TextStream.complete(chunks)
+        timings_wanted = req.timestamps or req.text_input is not None
+        metrics = SynthesisMetrics(request_id=req.request_id)
         if count:
             self._notify("on_request_started", req.request_id)
             self._idle.clear()
         live: list[str] = []  # session ids submitted and not yet fully drained
-        index = 0
-        sample_offset = 0
-        first_audio_at: float | None = None
+        run = _Run(received)
         try:
-            next_session = self._submit_chunk(req, chunks, 0, received, None, 0.0)
-            live.append(next_session)
+            current = await self._next_chunk(text)
             if count:
                 self._notify("on_request_queued", req.request_id)
-            for k in range(len(chunks)):
-                session_id = next_session
-                outputs = self._client.outputs(session_id)
-                submitted_next = False
-                generated = audio_out = False
-                while not (generated and audio_out):
-                    item = await outputs.get()
-                    if isinstance(item, bytes):
-                        if first_audio_at is None:
-                            first_audio_at = time.monotonic()
-                            metrics.ttfb_s = first_audio_at - received
-                            if count:
-                                self._notify("on_first_audio", req.request_id, metrics.ttfb_s, metrics.queue_s)
-                        chunk = AudioChunk(pcm=item, index=index, start_sample=sample_offset)
-                        index += 1
-                        sample_offset += chunk.num_samples
-                        # Handed to the consumer: delivered, as far as flow control is concerned.
-                        self._client.note_delivered(session_id, chunk.num_samples)
-                        yield chunk
-                        continue
-                    # a SessionDone: generation finished, the codec's last audio is out, or the stream failed
-                    if item.error is not None or item.reason in ("error", "timeout", "cancelled"):
-                        metrics.finish_reason = "error" if item.error is not None else item.reason
-                        self._raise_for(item)
-                    if item.reason == "audio":
-                        audio_out = True
-                        continue
-                    generated = True
-                    metrics.tokens += item.tokens
-                    metrics.frames += item.frames
-                    if k == 0:
-                        metrics.queue_s = item.queue_s
-                    if item.reason == "length":
-                        metrics.finish_reason = "length"
-                    if not submitted_next and k + 1 < len(chunks):
-                        # Generation of chunk k is done; admit chunk k+1 now, while k's audio still plays.
-                        played_from = first_audio_at if first_audio_at is not None else time.monotonic()
-                        audio_before = sample_offset / protocol.SAMPLE_RATE
-                        next_session = self._submit_chunk(req, chunks, k + 1, time.monotonic(), played_from,
-                                                          audio_before)
-                        live.append(next_session)
-                        submitted_next = True
-                live.remove(session_id)
-                self._client.release(session_id)
-            metrics.samples = sample_offset
-            metrics.audio_seconds = sample_offset / protocol.SAMPLE_RATE
+            session_id = self._submit_chunk(req, current, run) if current is not None and current.text else None
+            if session_id is not None:
+                live.append(session_id)
+            k = 0
+            while current is not None:
+                start_sample = run.samples
+                envelope = AudioEnvelope() if req.timestamps else None
+                following: TextChunk | None = None  # the next chunk, taken as soon as this one has generated
+                following_id: str | None = None
+                if session_id is not None:
+                    outputs = self._client.outputs(session_id)
+                    generated = audio_out = False
+                    while not (generated and audio_out):
+                        if generated and following is None and not text.exhausted:
+                            # Generated, nothing to follow yet: the next text may arrive while this audio drains.
+                            item = await _first_of(outputs, text)
+                            if item is None:
+                                following = text.take()
+                                if following is not None and following.text:
+                                    following_id = self._submit_chunk(req, following, run)
+                                    live.append(following_id)
+                                continue
+                        else:
+                            item = await outputs.get()
+                        if isinstance(item, bytes):
+                            if run.first_audio_at is None:
+                                run.first_audio_at = time.monotonic()
+                                metrics.ttfb_s = run.first_audio_at - received
+                                if count:
+                                    self._notify("on_first_audio", req.request_id, metrics.ttfb_s, metrics.queue_s)
+                            chunk = AudioChunk(pcm=item, index=run.index, start_sample=run.samples)
+                            run.index += 1
+                            run.samples += chunk.num_samples
+                            if envelope is not None:
+                                envelope.add(item)
+                            # Handed to the consumer: delivered, as far as flow control is concerned.
+                            self._client.note_delivered(session_id, chunk.num_samples)
+                            yield chunk
+                            continue
+                        # a SessionDone: generation finished, the codec's last audio is out, or the stream failed
+                        if item.error is not None or item.reason in ("error", "timeout", "cancelled"):
+                            metrics.finish_reason = "error" if item.error is not None else item.reason
+                            self._raise_for(item)
+                        if item.reason == "audio":
+                            audio_out = True
+                            continue
+                        generated = True
+                        metrics.tokens += item.tokens
+                        metrics.frames += item.frames
+                        if k == 0:
+                            metrics.queue_s = item.queue_s
+                        if item.reason == "length":
+                            metrics.finish_reason = "length"
+                        if following is None:
+                            # Generation of this chunk is done; admit the next now, while this audio still plays.
+                            following = text.take()
+                            if following is not None and following.text:
+                                following_id = self._submit_chunk(req, following, run)
+                                live.append(following_id)
+                    live.remove(session_id)
+                    self._client.release(session_id)
+                    metrics.text_chunks += 1
+                if timings_wanted:
+                    words = estimate_word_timings(current.text, start_sample, envelope) if envelope else ()
+                    yield ChunkTimings(index=k, text=current.text, start_sample=start_sample,
+                                       end_sample=run.samples, words=words, flush_id=current.flush_id)
+                k += 1
+                current, session_id = following, following_id
+                if current is None:
+                    current = await self._next_chunk(text)
+                    if current is not None and current.text:
+                        session_id = self._submit_chunk(req, current, run)
+                        live.append(session_id)
+            metrics.samples = run.samples
+            metrics.audio_seconds = run.samples / protocol.SAMPLE_RATE
             metrics.wall_s = time.monotonic() - received
             if count:
                 self._notify("on_request_finished", metrics, "completed")
@@ -246,17 +282,34 @@ class TTSService:
                 if self.tally.active == 0:
                     self._idle.set()
 
-    def _submit_chunk(self, req: SynthesisRequest, chunks: list[str], k: int, arrival_s: float,
-                      playback_start_s: float | None, audio_before_s: float) -> str:
+    @staticmethod
+    async def _next_chunk(text: TextStream) -> TextChunk | None:
+        """The next chunk to generate, waiting for text if need be; None once the text is exhausted."""
+        while (chunk := text.take()) is None:
+            if text.exhausted:
+                return None
+            await text.wait()
+        return chunk
+
+    def _submit_chunk(self, req: SynthesisRequest, chunk: TextChunk, run: _Run) -> str:
+        k = run.submitted
+        run.submitted += 1
         session_id = f"{req.request_id}-{k}"
-        sampling = resolve_sampling(self.config.sampling, req, chunks[k])
+        now = time.monotonic()
+        # Audio the client still has to play when this chunk starts: its deadline (DESIGN §5). A client whose
+        # audio ran out while the text was still coming is waiting now, like one waiting for its first audio.
+        audio_before = run.samples / protocol.SAMPLE_RATE
+        played_from = run.first_audio_at if run.first_audio_at is not None else now
+        if req.text_input is not None and played_from + audio_before <= now:
+            played_from, audio_before = now, 0.0
+        sampling = resolve_sampling(self.config.sampling, req, chunk.text)
         if sampling.seed is not None and k:
             sampling = replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1))  # seeds wrap in 0..2^64-1
-        session = SessionRequest(request_id=session_id, prompt_ids=self.prompt_ids(req.voice, chunks[k]),
-                                 sampling=sampling, arrival_s=arrival_s, playback_start_s=playback_start_s,
-                                 audio_before_s=audio_before_s)
+        session = SessionRequest(request_id=session_id, prompt_ids=self.prompt_ids(req.voice, chunk.text),
+                                 sampling=sampling, arrival_s=now if k else run.received,
+                                 playback_start_s=played_from if k else None, audio_before_s=audio_before if k else 0.0)
         if self.token_log is not None:
-            self.token_log.record(session_id, chunks[k], session.prompt_ids)
+            self.token_log.record(session_id, chunk.text, session.prompt_ids)
         try:
             self._client.submit(session)
         except AdmissionError as exc:  # the scheduler's refusal, in the service's terms
@@ -291,3 +344,27 @@ class TTSService:
         return service_stats(self.snapshot(), self.tally, backend=self.model_info.backend,
                              uptime_s=time.monotonic() - self._started_at, cpu_s=time.process_time())
 
+
+
+@dataclass(slots=True)
+class _Run:
+    """Where one request's response stands: chunks submitted, audio out so far."""
+
+    received: float
+    submitted: int = 0
+    index: int = 0  # AudioChunk index
+    samples: int = 0  # samples out so far
+    first_audio_at: float | None = None
+
+
+async def _first_of(outputs: asyncio.Queue[SessionOutput], text: TextStream) -> SessionOutput | None:
+    """The session's next output, or None if the text changed first (new text, a flush, the end, a deadline)."""
+    get = asyncio.ensure_future(outputs.get())
+    changed = asyncio.ensure_future(text.wait())
+    try:
+        await asyncio.wait({get, changed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        changed.cancel()
+        if not get.done():
+            get.cancel()  # Queue.get takes its item only when it resumes: a cancelled get loses nothing
+    return get.result() if get.done() and not get.cancelled() else None

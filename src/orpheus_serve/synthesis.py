@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from .protocol import SAMPLE_RATE
+
+if TYPE_CHECKING:
+    from .text_stream import TextStream
 
 # The wire protocols a request can arrive over; every table of protocols derives from this one.
 ProtocolName = Literal["rest", "ws", "grpc"]
@@ -30,6 +33,9 @@ class SynthesisRequest:
     seed: int | None = None
     constrained: bool | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Incremental text (a context, DESIGN §5b): chunks are taken from here as they are cut; `text` is unused.
+    text_input: TextStream | None = None
+    timestamps: bool = False  # also yield ChunkTimings with estimated word times for every chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,30 @@ class AudioChunk:
     @property
     def num_samples(self) -> int:
         return len(self.pcm) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class WordTiming:
+    word: str
+    start_s: float  # seconds from the start of the response's audio (24 kHz, speed 1.0)
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTimings:
+    """One text chunk's place in the response audio, sent once the chunk's audio is final.
+
+    The chunk's bounds are exact; the word times inside it are estimated (word_timings.py: Orpheus has no
+    aligner). Sent for every chunk of a request with `timestamps`, and of every incremental-text request
+    (its clients learn when a flush is spoken)."""
+
+    index: int
+    text: str  # the normalised chunk text ("" for a flush that found nothing buffered)
+    start_sample: int  # first sample of the chunk in the response (24 kHz)
+    end_sample: int  # one past its last sample
+    words: tuple[WordTiming, ...] = ()
+    flush_id: int | None = None  # the chunk completes TextStream.flush() number N
+    estimated: bool = True
 
 
 @dataclass(slots=True)

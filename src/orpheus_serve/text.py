@@ -151,6 +151,24 @@ def split_text(text: str, max_chars: int = 200) -> list[str]:
     return _pack(pieces, max_chars)
 
 
+def sentence_ends(text: str) -> list[int]:
+    """Offsets just past each sentence end in `text` (punctuation followed by a space; never inside a tag,
+    never the dot of an abbreviation or an initial). Raw or normalised text alike."""
+    return _ends(text, _SENTENCE_END, _is_sentence_end)
+
+
+def clause_ends(text: str) -> list[int]:
+    """Offsets just past each clause boundary in `text` (, ; : or a dash, followed by a space)."""
+    return _ends(text, _CLAUSE_END)
+
+
+def _ends(text: str, pattern: re.Pattern[str], accept: Callable[[str, re.Match[str]], bool] | None = None
+          ) -> list[int]:
+    tags = [(m.start(), m.end()) for m in _TAG.finditer(text)]
+    return [m.end() for m in pattern.finditer(text)
+            if not any(a < m.end() < b for a, b in tags) and (accept is None or accept(text, m))]
+
+
 def _is_sentence_end(text: str, match: re.Match[str]) -> bool:
     """False for the dot of an abbreviation or an initial ("Dr. Smith", "J. R. R. Tolkien", "e.g. this")."""
     if not match.group().startswith(".") or match.group().startswith(".."):

@@ -191,7 +191,9 @@ def validate_request(req: SynthesisRequest, limits: Limits, *, prompt_len: Calla
     the prompt ids the engine would be given for one chunk."""
     check_request_id(req.request_id)
     voice = _voice(req.voice)
-    text = _text(req.text, limits, voice, prompt_len)
+    # Incremental text is checked piece by piece as it is pushed (text_stream.py), and cut into chunks
+    # no longer than a whole text's.
+    text = req.text if req.text_input is not None else _text(req.text, limits, voice, prompt_len)
 
     _check_number(req.temperature, "temperature", limits.temperature)
     _check_number(req.top_p, "top_p", limits.top_p)

@@ -28,6 +28,7 @@ plus its route or service registration in server.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -46,6 +47,7 @@ from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from ..synthesis import (
     PROTOCOLS,
     AudioChunk,
+    ChunkTimings,
     ClientStalledError,
     InvalidRequestError,
     ProtocolName,
@@ -73,7 +75,7 @@ class SpeechService(Protocol):
     engine_alive: bool
 
     def saturation(self) -> str | None: ...
-    def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | SynthesisMetrics]: ...
+    def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | ChunkTimings | SynthesisMetrics]: ...
     def stats(self) -> dict: ...
     def snapshot(self) -> ServiceSnapshot: ...
     def add_observer(self, observer: Any) -> None: ...
@@ -358,11 +360,11 @@ class SpeechStream:
         self.metrics: SynthesisMetrics | None = None
         self.first_byte_s: float | None = None
         self._lease = lease
-        self._queue: asyncio.Queue[AudioChunk | SynthesisMetrics | BaseException | object] = asyncio.Queue(
+        self._queue: asyncio.Queue[AudioChunk | ChunkTimings | SynthesisMetrics | BaseException | object] = asyncio.Queue(
             maxsize=STREAM_QUEUE_ITEMS)
         self.stalled = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
-        self._head: AudioChunk | SynthesisMetrics | BaseException | object | None = None
+        self._head: AudioChunk | ChunkTimings | SynthesisMetrics | BaseException | object | None = None
         self._status: str | None = None
         self._closed = False
         gateway.stream_opened(protocol)
@@ -444,6 +446,14 @@ class SpeechStream:
 
         Raises SynthesisError when synthesis fails mid-stream.
         """
+        async with contextlib.aclosing(self.events()) as events:
+            async for event in events:
+                if isinstance(event, bytes):
+                    yield event
+
+    async def events(self) -> AsyncIterator[bytes | ChunkTimings]:
+        """`audio()`'s bytes with each text chunk's ChunkTimings in order, after that chunk's audio
+        (incremental-text requests and requests with timestamps; see synthesis.ChunkTimings)."""
         item = self._head
         self._head = None
         encoder = self.encoder
@@ -456,6 +466,10 @@ class SpeechStream:
             if isinstance(item, BaseException):
                 self._status = item.code if isinstance(item, SynthesisError) else "internal_error"
                 raise item
+            if isinstance(item, ChunkTimings):
+                yield item
+                item = None
+                continue
             if isinstance(item, SynthesisMetrics):
                 self.metrics = item
                 tail = await self._in_pool(encoder.flush)
