@@ -24,6 +24,7 @@ from orpheus_serve.client.records import summarize
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from orpheus_serve.synthesis import PROTOCOLS
 from tests.gateway_support import check_openai_error, metric_values, sim_config, start_server, stats, wait_for
 
 MAX_TEXT = 250  # the conversational profile's max_text_chars
@@ -85,7 +86,7 @@ def test_twenty_concurrent_clients_over_three_protocols(server: ServerThread) ->
         assert delta == protocols.count(protocol), (protocol, delta)
     assert after["gateway"]["open_connections"] == 0
     assert after["process"]["cpu_s"] >= before_stats["process"]["cpu_s"] > 0
-    assert after["gateway"]["active_streams"] == {"rest": 0, "ws": 0, "grpc": 0}
+    assert after["gateway"]["active_streams"] == dict.fromkeys(PROTOCOLS, 0)
 
     after_metrics = httpx.get(f"{server.base_url}/metrics").text
     for protocol in ("rest", "ws", "grpc"):

@@ -1,4 +1,4 @@
-"""Streaming clients for the three protocols, shared by client.py and the benchmarks.
+"""Streaming clients for the protocols, shared by client.py and the benchmarks.
 
 Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
 the audio bytes, the arrival time and size of every audio message (from which
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -37,6 +39,7 @@ from .records import StreamRecord
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_GRPC_ADDR = "127.0.0.1:50051"
 STREAM_PATH = "/v1/audio/stream"
+CARTESIA_PATH = "/tts/websocket"
 
 _REJECTED_HTTP = {429, 503}
 _REJECTED_CODES = {"server_busy", "too_many_connections", "unavailable"}
@@ -148,11 +151,11 @@ async def synthesize_rest(base_url: str, text: str, *, voice: str | None = None,
     return result
 
 
-def stream_url(base_url: str) -> str:
+def stream_url(base_url: str, path: str = STREAM_PATH) -> str:
     """http://host:port -> ws://host:port/v1/audio/stream (https -> wss)."""
     parts = urlsplit(base_url)
     scheme = "wss" if parts.scheme == "https" else "ws"
-    return urlunsplit((scheme, parts.netloc, STREAM_PATH, "", ""))
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
 async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
@@ -192,6 +195,54 @@ async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, f
         message_text, code = _error_message(response.body or b"")
         status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
         return result._fail(status, f"HTTP {response.status_code}: {message_text}", code or str(response.status_code))
+    except (OSError, websockets.InvalidHandshake) as exc:
+        return result._fail("error", f"cannot connect to {url}: {exc} (is the server running?)", "connect")
+    except websockets.ConnectionClosed as exc:
+        return result._fail("error", f"WebSocket closed: {exc}", "closed")
+    except asyncio.TimeoutError:
+        return result._fail("error", f"no complete answer within {timeout_s:g}s", "timeout")
+
+
+async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                              speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                              timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
+    """One context over a fresh Cartesia-compatible WebSocket (/tts/websocket), the whole text at once:
+    `chunk` messages until `done`. Raw 16-bit PCM only; the protocol carries no sampling options."""
+    result = ClientResult("cartesia", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
+    if fmt != "pcm":
+        return result._fail("error", "the Cartesia protocol streams raw audio: use the pcm format", "format")
+    context_id = uuid.uuid4().hex
+    message: dict[str, Any] = {
+        "context_id": context_id, "transcript": text, "continue": False, "model_id": "orpheus",
+        "voice": {"mode": "id", "id": voice}, "add_timestamps": False,
+        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": sample_rate}}
+    if speed != 1.0:
+        message["generation_config"] = {"speed": speed}
+    url = stream_url(base_url, CARTESIA_PATH)
+    headers = {"X-API-Key": api_key} if api_key else {}
+
+    async def exchange() -> ClientResult:
+        async with ws_connect(url, additional_headers=headers, max_size=None, open_timeout=30) as ws:
+            result.sent_s = time.perf_counter()
+            await ws.send(json.dumps(message))
+            async for frame in ws:
+                reply = json.loads(frame)
+                if reply.get("type") == "chunk":
+                    result._receive(base64.b64decode(reply["data"]))
+                elif reply.get("type") == "done":
+                    return result
+                elif reply.get("type") == "error":
+                    code = reply.get("error_code")
+                    status = "rejected" if code in _REJECTED_CODES else "error"
+                    return result._fail(status, str(reply.get("error")), code)
+            return result._fail("error", "the server closed the WebSocket before the context finished", "closed")
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout_s)
+    except websockets.InvalidStatus as exc:
+        response = exc.response
+        status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
+        return result._fail(status, f"HTTP {response.status_code}", str(response.status_code))
     except (OSError, websockets.InvalidHandshake) as exc:
         return result._fail("error", f"cannot connect to {url}: {exc} (is the server running?)", "connect")
     except websockets.ConnectionClosed as exc:
@@ -249,6 +300,9 @@ async def synthesize(protocol: str, text: str, *, url: str = DEFAULT_URL, grpc_a
         return await synthesize_ws(url, text, **kwargs)
     if protocol == "grpc":
         return await synthesize_grpc(grpc_addr, text, **kwargs)
+    if protocol == "cartesia":
+        kwargs.pop("client", None)
+        return await synthesize_cartesia(url, text, **kwargs)
     raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
 
 
