@@ -1,0 +1,104 @@
+"""Helpers for the Cartesia-compatible WebSocket tests: a greedy tiny-model server and a raw wire client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from orpheus_serve.api.server import ServerThread
+
+REPLY = ("Sure, I can help with that. The weather today is sunny, with a light breeze from the west. "
+         "Tomorrow looks a little cooler, so bring a jacket if you go out. Anything else?")
+INTERRUPTED = "This answer is interrupted by the user, who starts talking over it right away, long before its end."
+
+
+def ws_url(server: ServerThread) -> str:
+    return f"ws://127.0.0.1:{server.http_port}/tts/websocket"
+
+
+def generation(context_id: str, transcript: str, *, more: bool = False, voice: str | None = "tara",
+               encoding: str = "pcm_s16le", sample_rate: int = 24000, **extra: Any) -> str:
+    """A generation request as the Cartesia clients write it."""
+    return json.dumps({"context_id": context_id, "transcript": transcript, "continue": more, "model_id": "sonic-2",
+                       "voice": {"mode": "id", "id": voice}, "language": "en",
+                       "output_format": {"container": "raw", "encoding": encoding, "sample_rate": sample_rate},
+                       **extra})
+
+
+@dataclass
+class ContextLog:
+    """What one context received, in order."""
+
+    audio: bytearray = field(default_factory=bytearray)
+    messages: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [m["type"] for _, m in self.messages]
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        last = self.messages[-1][1] if self.messages else None
+        return last if last is not None and last["type"] in ("done", "error") else None
+
+
+async def receive_until(ws: Any, logs: dict[str, ContextLog], finished: set[str], *, timeout_s: float = 120.0
+                        ) -> None:
+    """Read messages into `logs` until every context in `finished` has its `done` or `error`."""
+    async def loop() -> None:
+        while not all(logs.get(c) is not None and logs[c].final is not None for c in finished):
+            message = json.loads(await ws.recv())
+            log = logs.setdefault(message["context_id"], ContextLog())
+            log.messages.append((time.perf_counter(), message))
+            if message["type"] == "chunk":
+                log.audio += base64.b64decode(message["data"])
+
+    await asyncio.wait_for(loop(), timeout_s)
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2").astype(np.int32)
+
+
+def assert_same_audio(a: bytes, b: bytes) -> None:
+    """Greedy decoding gives the same tokens; the codec's batched float arithmetic (sessions that share SNAC
+    passes) may move a sample by a unit or two."""
+    assert len(a) == len(b) > 0, (len(a), len(b))
+    diff = np.abs(pcm16(a) - pcm16(b))
+    assert diff.max() <= 2, diff.max()
+
+
+def steps(server: ServerThread) -> int:
+    return server.server.service.snapshot().core.steps
+
+
+def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, Any]]:
+    """Token-log entries (one per generated text chunk, in order) of the request whose first chunk starts with
+    `first_text`."""
+    log = server.server.service.token_log
+    assert log is not None
+    entries = dict(log)
+    request_ids = [key.rsplit("-", 1)[0] for key, e in entries.items()
+                   if key.endswith("-0") and e["text"].startswith(first_text)]
+    assert len(request_ids) <= 1, request_ids
+    if not request_ids:
+        return []
+    return [e for key, e in entries.items() if key.rsplit("-", 1)[0] == request_ids[0]]
+
+
+async def steps_until_stopped(server: ServerThread, first_text: str, since: int, *, within_s: float = 30.0) -> int:
+    """Engine steps from `since` until every session of the request whose first chunk starts with
+    `first_text` has finished. Bounded; polls the engine's own counters."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        entries = context_sessions(server, first_text)
+        if entries and all(e["finish_reason"] is not None for e in entries):
+            return steps(server) - since
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"the sessions of {first_text!r} did not finish within {within_s}s")
