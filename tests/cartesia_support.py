@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from websockets.asyncio.client import connect
 
 from orpheus_serve.api.server import ServerThread
 
@@ -79,17 +80,17 @@ def steps(server: ServerThread) -> int:
 
 
 def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, Any]]:
-    """Token-log entries (one per generated text chunk, in order) of the request whose first chunk starts with
-    `first_text`."""
+    """Token-log entries (one per generated text chunk, in order) of the latest request whose first chunk
+    starts with `first_text`."""
     log = server.server.service.token_log
     assert log is not None
     entries = dict(log)
     request_ids = [key.rsplit("-", 1)[0] for key, e in entries.items()
                    if key.endswith("-0") and e["text"].startswith(first_text)]
-    assert len(request_ids) <= 1, request_ids
     if not request_ids:
         return []
-    return [e for key, e in entries.items() if key.rsplit("-", 1)[0] == request_ids[0]]
+    latest = request_ids[-1]  # the log keeps submission order
+    return [e for key, e in entries.items() if key.rsplit("-", 1)[0] == latest]
 
 
 async def steps_until_stopped(server: ServerThread, first_text: str, since: int, *, within_s: float = 30.0) -> int:
@@ -102,3 +103,17 @@ async def steps_until_stopped(server: ServerThread, first_text: str, since: int,
             return steps(server) - since
         await asyncio.sleep(0.001)
     raise AssertionError(f"the sessions of {first_text!r} did not finish within {within_s}s")
+
+
+async def replay(server: ServerThread, chunks: list[str]) -> bytes:
+    """The audio of one context given `chunks` as its generation chunks (each pushed and flushed at once):
+    what a response cut into those chunks sounds like, whatever the timing of its text was."""
+    logs: dict[str, ContextLog] = {}
+    keys = server.server.config.server.api_keys
+    async with connect(ws_url(server), additional_headers={"X-API-Key": keys[0]} if keys else {}) as ws:
+        for text in chunks:
+            await ws.send(generation("replay", text + " ", more=True, flush=True))
+        await ws.send(generation("replay", "", more=False))
+        await receive_until(ws, logs, {"replay"})
+    assert logs["replay"].final["type"] == "done"
+    return bytes(logs["replay"].audio)
