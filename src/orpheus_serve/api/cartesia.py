@@ -14,6 +14,7 @@ Client -> server, JSON text messages:
         the first message of a context opens it (voice, format and timestamps are fixed from then on);
         every message appends its transcript as it is (the client sends its own spaces);
         `flush: true` cuts what is buffered into a chunk now (answered by `flush_done` once it is spoken);
+        `max_buffer_delay_ms: 0` (on the first message) flushes every transcript as it comes;
         `continue: false` (or absent) ends the context's text: it finishes after its audio.
     {"context_id", "cancel": true}
         stop that context now; nothing more is sent for it. Other contexts go on.
@@ -167,6 +168,9 @@ class ContextSpec:
     output: OutputOptions
     float32: bool
     timestamps: bool
+    # `max_buffer_delay_ms: 0` leaves buffering to the client: every transcript is cut as it comes (a flush,
+    # answered by flush_done), as Cartesia does. Pipecat sends whole sentences this way, without spaces between.
+    flush_each: bool = False
 
     @classmethod
     def from_message(cls, message: GenerationRequest, text: TextStream) -> ContextSpec:
@@ -184,7 +188,8 @@ class ContextSpec:
                                    request_id=uuid.uuid4().hex)
         output = OutputOptions(format=fmt, sample_rate=message.output_format.sample_rate,
                                speed=1.0 if speed is None else speed)
-        return cls(request, output, message.output_format.encoding == "pcm_f32le", timestamps)
+        return cls(request, output, message.output_format.encoding == "pcm_f32le", timestamps,
+                   flush_each=message.max_buffer_delay_ms == 0)
 
 
 # ---------------------------------------------------------------- messages out
@@ -400,7 +405,7 @@ class CartesiaConnection:
             return  # a repeated end of the text: nothing to do
         try:
             ctx.text.push(request.transcript)
-            if request.flush:
+            if request.flush or (ctx.spec.flush_each and request.transcript.strip()):
                 ctx.text.flush()
             if not request.continue_:
                 ctx.text.end()
