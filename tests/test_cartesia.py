@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect
 
+from orpheus_serve.api.cartesia import MAX_CONTEXTS_PER_CONNECTION
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.audio import AUDIO_FORMATS
+from orpheus_serve.client import protocols as api_client
 from orpheus_serve.service import TTSService
 from orpheus_serve.synthesis import PROTOCOLS
 from orpheus_serve.word_timings import words_of
@@ -335,3 +338,98 @@ def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: Server
     assert response.status_code == 401
     body = json.loads(response.body)
     assert body["type"] == "error" and body["status_code"] == 401 and "API key" in body["error"]
+
+
+def test_with_no_buffer_delay_every_transcript_is_its_own_chunk(server: ServerThread) -> None:
+    """Pipecat's sentence mode: whole sentences without spaces between, max_buffer_delay_ms 0."""
+    async def scenario() -> ContextLog:
+        logs: dict[str, ContextLog] = {}
+        async with connect(ws_url(server)) as ws:
+            for k, sentence in enumerate(("Hello there.", "How are you?")):
+                await ws.send(generation("s", sentence, more=True, add_timestamps=True, max_buffer_delay_ms=0))
+                if k == 0:  # the first is spoken before the second is written
+                    await receive_until_kind(ws, logs, "s", "flush_done")
+            await ws.send(generation("s", "", more=False, max_buffer_delay_ms=0))
+            await receive_until(ws, logs, {"s"})
+        return logs["s"]
+
+    log = asyncio.run(scenario())
+    assert [m["flush_id"] for _, m in log.messages if m["type"] == "flush_done"] == [1, 2]
+    stamps = [m["word_timestamps"]["words"] for _, m in log.messages if m["type"] == "timestamps"]
+    assert stamps == [["Hello", "there"], ["How", "are", "you"]]
+    assert log.kinds[-1] == "done"
+
+
+async def receive_until_kind(ws: object, logs: dict[str, ContextLog], context_id: str, kind: str) -> None:
+    while kind not in (logs[context_id].kinds if context_id in logs else []):
+        message = json.loads(await asyncio.wait_for(ws.recv(), 60))  # type: ignore[attr-defined]
+        log = logs.setdefault(message["context_id"], ContextLog())
+        log.messages.append((0.0, message))
+        if message["type"] == "chunk":
+            log.audio += base64.b64decode(message["data"])
+
+
+def test_text_after_the_end_stops_the_context_with_an_error(server: ServerThread) -> None:
+    async def scenario() -> ContextLog:
+        logs: dict[str, ContextLog] = {}
+        async with connect(ws_url(server)) as ws:
+            await ws.send(generation("e", "Short and done.", more=False))
+            await ws.send(generation("e", "", more=False))  # a repeated end: nothing to do
+            await ws.send(generation("e", "One more thing.", more=False))
+            await receive_until(ws, logs, {"e"})
+        return logs["e"]
+
+    log = asyncio.run(scenario())
+    assert log.final["type"] == "error" and log.final["status_code"] == 400
+    assert "ended" in log.final["error"]
+
+
+def test_contexts_per_socket_are_bounded(server: ServerThread) -> None:
+    async def scenario() -> dict:
+        async with connect(ws_url(server)) as ws:
+            for k in range(MAX_CONTEXTS_PER_CONNECTION):  # open, waiting for text
+                await ws.send(generation(f"c{k}", "", more=True))
+            await ws.send(generation("one-too-many", "Hello.", more=False))
+            return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+    error = asyncio.run(scenario())
+    assert error["type"] == "error" and error["context_id"] == "one-too-many" and error["status_code"] == 400
+    snapshot = settled_stats(lambda: stats(server))
+    assert snapshot["gateway"]["active_streams"]["cartesia"] == 0 and snapshot["gateway"]["open_connections"] == 0
+
+
+def test_client_cli_speaks_over_the_cartesia_protocol(server: ServerThread, tmp_path: Path) -> None:
+    out = tmp_path / "out.wav"
+    code = api_client.main(["--url", server.base_url, "--text", "Hello there.", "--voice", "tara",
+                            "--output", str(out), "--protocol", "cartesia"])
+    assert code == 0 and out.stat().st_size > 44
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_is_cut_off(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> None:
+    """Its socket buffers fill, the server's sends wait, and after server.stalled_client_timeout_s its contexts
+    are cancelled and the connection is reset; the server keeps serving."""
+    srv = greedy_server(tiny_orpheus, tiny_snac, **{"sampling.max_tokens": 350, "server.stalled_client_timeout_s": 1.5,
+                                                    "server.socket_send_buffer_bytes": 16384})
+    try:
+        async def stop_reading() -> None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            sock.connect(("127.0.0.1", srv.http_port))
+            sock.setblocking(False)
+            ws = await connect(ws_url(srv), sock=sock, max_queue=1, max_size=None)
+            await ws.send(generation("quiet", REPLY))
+            for _ in range(600):  # bounded: until the server resets the connection
+                if srv.server.gateway.limiter.open == 0:
+                    break
+                await asyncio.sleep(0.1)
+            ws.transport.abort()
+
+        before = stats(srv)["gateway"]["requests"]["cartesia"].get("client_stalled", 0)
+        asyncio.run(stop_reading())
+        snapshot = settled_stats(lambda: stats(srv))
+        assert snapshot["gateway"]["requests"]["cartesia"].get("client_stalled", 0) - before == 1
+        assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["open_connections"] == 0
+        assert asyncio.run(one_context(srv, "Still serving.")).final["type"] == "done"
+    finally:
+        srv.stop()

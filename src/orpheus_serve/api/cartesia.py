@@ -467,6 +467,7 @@ class CartesiaConnection:
         assert speaking is not None
         watcher = asyncio.create_task(self._cancel_when_stalled(stream, speaking))
         last = received_at  # the first chunk's step time is its time to first audio
+        stalled: ClientStalledError | None = None
         try:
             async for event in stream.events():
                 if isinstance(event, bytes):
@@ -481,7 +482,8 @@ class CartesiaConnection:
                 if event.flush_id is not None:
                     await self._send(_reply("flush_done", ctx.context_id, done=False, flush_done=True,
                                             flush_id=event.flush_id, status_code=206))
-        except ClientStalledError:
+        except ClientStalledError as exc:  # a send timed out: counted as the stream's outcome
+            stalled = exc
             raise
         except SynthesisError as exc:
             await self._send(error_message(exc, ctx.context_id))
@@ -489,10 +491,11 @@ class CartesiaConnection:
         except asyncio.CancelledError:
             if not stream.stalled.is_set():
                 raise
-            raise ClientStalledError("the client stopped reading") from None
+            stalled = ClientStalledError("the client stopped reading")
+            raise stalled from None
         finally:
             watcher.cancel()
-            await stream.close()
+            await stream.close(stalled)
         await self._send(_reply("done", ctx.context_id, done=True, status_code=200))
 
     @staticmethod
