@@ -17,6 +17,8 @@ from orpheus_serve.word_timings import words_of
 from tests.test_service import make_config
 
 REPLY = "Sure, I can help with that. The weather today is sunny, with a light breeze. Anything else?"
+LONG_REPLY = ("Sure, I can help with that. " + "The weather today is sunny, with a light breeze from the west, "
+              "and it should stay that way until the evening. " * 2 + "Anything else I can check for you?")
 
 
 def service_for(tiny_models: Path, **overrides: object) -> TTSService:
@@ -69,7 +71,7 @@ def test_text_pushed_word_by_word_speaks_before_the_input_ends(tiny_models: Path
             events: list[tuple[str, object]] = []
             consumer = asyncio.create_task(drain(service, req, events))
             ended_at_event = None
-            for word in REPLY.split(" "):
+            for word in LONG_REPLY.split(" "):
                 text.push(word + " ")
                 await asyncio.sleep(0.05)  # an LLM writing its reply
             ended_at_event = len(events)
@@ -83,9 +85,9 @@ def test_text_pushed_word_by_word_speaks_before_the_input_ends(tiny_models: Path
             assert timings[0].start_sample == 0 and timings[-1].end_sample == metrics.samples
             for a, b in itertools.pairwise(timings):
                 assert a.end_sample == b.start_sample
-            assert [w for t in timings for w in words_of(t.text)] == words_of(REPLY)
+            assert [w for t in timings for w in words_of(t.text)] == words_of(LONG_REPLY)
             words = [w for t in timings for w in t.words]
-            assert [w.word for w in words] == words_of(REPLY)
+            assert [w.word for w in words] == words_of(LONG_REPLY)
             for a, b in itertools.pairwise(words):
                 assert a.start_s <= a.end_s <= b.start_s
             assert words[-1].end_s <= metrics.samples / protocol.SAMPLE_RATE
@@ -210,6 +212,27 @@ def test_a_context_with_nothing_to_say_finishes_without_audio(tiny_models: Path,
             text.end()
             pcm, timings, metrics = await drain(service, req)
             assert pcm == b"" and timings == [] and metrics.samples == 0
+        finally:
+            await service.shutdown(grace_s=0)
+
+    asyncio.run(scenario())
+
+
+def test_a_context_left_while_waiting_for_text_is_counted_as_cancelled(tiny_models: Path) -> None:
+    async def scenario() -> None:
+        service = service_for(tiny_models)
+        await service.start(warmup=False)
+        try:
+            req, text = context(service, "waiting")
+            text.push("Hello")  # no boundary, no complete word: nothing can start yet
+            consumer = asyncio.create_task(drain(service, req))
+            for _ in range(100):  # let it reach the wait for text
+                await asyncio.sleep(0)
+            assert service.tally.active == 1 and not consumer.done()
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+            assert (service.tally.active, service.tally.cancelled, service.tally.completed) == (0, 1, 0)
+            assert service.stats()["kv_cache"]["used_slots"] == 0
         finally:
             await service.shutdown(grace_s=0)
 

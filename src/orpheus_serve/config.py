@@ -159,6 +159,7 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(65536, ge=1024)
     max_connections: int = Field(256, ge=1)
     max_ws_requests_per_connection: int = Field(1000, ge=1)
+    max_ws_contexts_per_connection: int = Field(16, ge=1)  # contexts open (running or queued) on one WebSocket
     shutdown_grace_s: float = Field(10.0, ge=0)
     stalled_client_timeout_s: float = Field(10.0, gt=0)  # a client that takes no audio this long is cut off
     socket_send_buffer_bytes: int | None = Field(65536, ge=4096)  # kernel send buffer per HTTP/WS connection

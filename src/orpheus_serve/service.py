@@ -177,6 +177,7 @@ class TTSService:
             self._notify("on_request_started", req.request_id)
             self._idle.clear()
         live: list[str] = []  # session ids submitted and not yet fully drained
+        reported = False  # the request's outcome has been told to the observers
         run = _Run(received)
         try:
             current = await self._next_chunk(text)
@@ -258,25 +259,29 @@ class TTSService:
             metrics.samples = run.samples
             metrics.audio_seconds = run.samples / protocol.SAMPLE_RATE
             metrics.wall_s = time.monotonic() - received
+            reported = True
             if count:
                 self._notify("on_request_finished", metrics, "completed")
             yield metrics
         except QueueFullError as exc:
+            reported = True
             if count:
                 self._notify("on_request_rejected", str(exc))
             raise
         except (EngineFailureError, SynthesisTimeoutError):
+            reported = True
             if count:
                 metrics.wall_s = time.monotonic() - received
                 self._notify("on_request_finished", metrics, "failed")
             raise
         finally:
-            cancelled = bool(live)
             for session_id in live:
                 self._client.cancel(session_id)
                 self._client.release(session_id)
             if count:
-                if cancelled and metrics.finish_reason not in ("error", "timeout"):
+                # Left early (the client went, the server shut down), a session running or not: an incremental
+                # text may be between chunks, waiting for its next words.
+                if not reported and metrics.finish_reason not in ("error", "timeout"):
                     self._notify("on_request_finished", metrics, "cancelled")
                 self._notify("on_request_ended", req.request_id)
                 if self.tally.active == 0:

@@ -104,8 +104,47 @@ class StreamRequestMessage(SpeechFields):
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
                                    description="Echoed in replies: 1 to 128 printable ASCII characters.")
 
+    timestamps: bool = Field(False, description="Also send each text chunk's bounds and estimated word times.")
+
     def output_options(self) -> OutputOptions:
         return OutputOptions(format=self.response_format, sample_rate=self.sample_rate, speed=self.speed)
+
+
+_CONTEXT_ID = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
+                    description="Names the context: 1 to 128 printable ASCII characters.")
+
+
+class ContextOpenMessage(StreamRequestMessage):
+    """The first message of a context on WS /v1/audio/stream: a request whose text arrives in pieces."""
+
+    context_id: str = _CONTEXT_ID
+    flush: bool = Field(False, description="Speak what has arrived now, whatever it ends with.")
+    end: bool = Field(False, description="No more text: the context finishes once its audio is out.")
+
+    def speech_text(self) -> str:
+        if self.input is not None and self.text is not None and self.input != self.text:
+            raise InvalidRequestError("give the text in `input` or in `text`, not two different texts", param="text")
+        return ""  # the text goes into the context's TextStream, piece by piece
+
+    def piece(self) -> str:
+        return (self.input if self.input is not None else self.text) or ""
+
+
+class ContextTextMessage(BaseModel):
+    """A later message of an open context: more text, a flush, the end. Options are set by its first message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    context_id: str = _CONTEXT_ID
+    text: str | None = None
+    input: str | None = None
+    flush: bool = False
+    end: bool = False
+
+    def piece(self) -> str:
+        if self.input is not None and self.text is not None and self.input != self.text:
+            raise InvalidRequestError("give the text in `input` or in `text`, not two different texts", param="text")
+        return (self.input if self.input is not None else self.text) or ""
 
 
 class ErrorDetail(BaseModel):

@@ -11,7 +11,25 @@ Server -> client:
     {"cancelled": true, "request_id"}        it was cancelled
     {"error": {...}, "request_id"}           OpenAI-shaped error; the socket stays usable
 
-Requests run one at a time in arrival order. A message that cannot be used
+Contexts: text that arrives in pieces (a voice agent's LLM reply), one continuous audio stream:
+    {"context_id": "r1", "text": "Sure, ", "voice": "tara", ...options, "timestamps": true}
+                                                               opens context r1 (a request; text optional)
+    {"context_id": "r1", "text": "I can help."}                more text (concatenated as sent)
+    {"context_id": "r1", "flush": true}                        speak what has arrived now
+    {"context_id": "r1", "end": true}                          no more text (may carry text too)
+    {"context_id": "r1", "cancel": true}                       stop r1, running or queued; others untouched
+  Server -> client, besides its audio and "done"/"cancelled"/"error" (each with "context_id"):
+    {"flushed": true, "context_id", "flush_id"}                a flush's audio is all sent (flush_id counts
+                                                               the context's flushes from 1)
+    {"timestamps": {...}, "context_id"}                        with "timestamps": after each text chunk's
+                                                               audio, its exact bounds and estimated word times
+  A context is cut into generation chunks at sentence and clause boundaries as its text arrives
+  (text_stream.py), so its first audio comes before its text is complete. Options are set by the first
+  message; later ones carry only text, flush and end. A context with no text for stream_input.idle_timeout_s
+  ends by itself. Plain requests may ask for "timestamps" too.
+
+Requests and contexts run one at a time in arrival order (a context queued behind another takes text
+meanwhile). A message that cannot be used
 (binary data, broken JSON, JSON nested too deeply, an integer of more digits
 than Python converts, a JSON value that is not an object, an invalid request)
 gets an error message, and the socket stays open for the next request; so
@@ -29,7 +47,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -37,11 +55,13 @@ from pydantic import ValidationError
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
-from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
+from ..protocol import SAMPLE_RATE
+from ..synthesis import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
+from ..text_stream import TextStream
 from ..validation import is_request_id
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
 from .gateway import Gateway, SpeechStream
-from .schemas import StreamRequestMessage, first_validation_error
+from .schemas import ContextOpenMessage, ContextTextMessage, StreamRequestMessage, first_validation_error
 
 if TYPE_CHECKING:
     from starlette.types import Message
@@ -52,6 +72,7 @@ STREAM_PATH = "/v1/audio/stream"
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_INVALID_PAYLOAD = 1007
+CLOSED_CONTEXTS_REMEMBERED = 64
 
 
 def _error_text(exc: SynthesisError, request_id: str | None = None) -> str:
@@ -93,6 +114,8 @@ class _Incoming:
 class _Job:
     request: StreamRequestMessage
     received_at: float
+    text_input: TextStream | None = None  # a context's incremental text
+    context_id: str | None = None
 
 
 class StreamConnection:
@@ -102,11 +125,17 @@ class StreamConnection:
         self.ws = websocket
         self.gateway = gateway
         self.max_requests = gateway.config.server.max_ws_requests_per_connection
+        self.max_contexts = gateway.config.server.max_ws_contexts_per_connection
         self._send_lock = asyncio.Lock()
         self._inbox: asyncio.Queue[_Incoming] = asyncio.Queue()
         self._queued: deque[_Job] = deque()
         self._current: asyncio.Task[None] | None = None
         self._current_id: str | None = None
+        self._current_context: str | None = None
+        self._contexts: dict[str, TextStream] = {}  # open contexts, running or queued, by context_id
+        # Ids of contexts that ended lately: text still in flight for one (an LLM reply cut off by a barge-in)
+        # is refused instead of opening a new context that would speak it.
+        self._closed_contexts: deque[str] = deque(maxlen=CLOSED_CONTEXTS_REMEMBERED)
         self._accepted = 0
         self._stalled = False  # a request found the client reading nothing: the connection is reset
 
@@ -118,9 +147,13 @@ class StreamConnection:
         async with self._send_lock:
             await self.ws.send_bytes(data)
 
-    async def _send_error(self, exc: SynthesisError, request_id: str | None = None) -> None:
+    async def _send_error(self, exc: SynthesisError, request_id: str | None = None, context_id: str | None = None
+                          ) -> None:
+        text = _error_text(exc, request_id)
+        if context_id is not None:
+            text = json.dumps({**json.loads(text), "context_id": context_id}, separators=(",", ":"))
         async with self._send_lock:
-            await self.ws.send_text(_error_text(exc, request_id))
+            await self.ws.send_text(text)
 
     async def _read(self) -> None:
         while True:
@@ -185,6 +218,9 @@ class StreamConnection:
     def _finish_current(self) -> bool:
         """Reap the finished request task; False if the socket is gone."""
         task, self._current, self._current_id = self._current, None, None
+        if self._current_context is not None:
+            self._close_context(self._current_context)
+            self._current_context = None
         assert task is not None
         if task.cancelled():
             return True
@@ -197,8 +233,10 @@ class StreamConnection:
 
     def _start(self, job: _Job) -> None:
         # The service's request id is always the server's own; a client's id is only echoed back.
-        synthesis_request = job.request.synthesis_request()
+        synthesis_request = replace(job.request.synthesis_request(), text_input=job.text_input,
+                                    timestamps=job.request.timestamps)
         self._current_id = job.request.request_id or synthesis_request.request_id
+        self._current_context = job.context_id
         self._current = asyncio.create_task(self._stream(job, synthesis_request, self._current_id),
                                             name=f"ws-{synthesis_request.request_id}")
 
@@ -224,6 +262,8 @@ class StreamConnection:
         if not isinstance(body, dict):
             await self._send_error(InvalidRequestError("a message must be a JSON object", param=None))
             return True
+        if "context_id" in body:
+            return await self._handle_context(body, incoming)
         if "cancel" in body:
             await self._cancel(body)
             return True
@@ -240,16 +280,111 @@ class StreamConnection:
             self.gateway.refused("ws", exc)
             await self._send_error(exc, request_id)
             return True
+        if not await self._count_request(request_id):
+            return False
+        self._queued.append(_Job(request, incoming.received_at))
+        return True
+
+    async def _count_request(self, request_id: str | None, context_id: str | None = None) -> bool:
+        """One more request on this connection; False (and the socket closed) past the limit."""
         if self._accepted >= self.max_requests:
             error = RequestLimitError(f"this connection has served its {self.max_requests} requests "
                                       "(server.max_ws_requests_per_connection); open a new one")
             self.gateway.refused("ws", error)
-            await self._send_error(error, request_id)
+            await self._send_error(error, request_id, context_id)
             await self.ws.close(CLOSE_POLICY_VIOLATION)
             return False
         self._accepted += 1
-        self._queued.append(_Job(request, incoming.received_at))
         return True
+
+    async def _handle_context(self, body: dict[str, Any], incoming: _Incoming) -> bool:
+        """A context message: open, more text, flush, end or cancel. False when the connection must close."""
+        context_id = body["context_id"] if is_request_id(body.get("context_id")) else None
+        if context_id is None:
+            await self._send_error(InvalidRequestError(
+                "context_id must be 1 to 128 printable ASCII characters", param="context_id"))
+            return True
+        if "cancel" in body:
+            await self._cancel_context(body, context_id)
+            return True
+        text = self._contexts.get(context_id)
+        if text is None and context_id in self._closed_contexts:
+            await self._send_error(InvalidRequestError(
+                f"context {context_id!r} has ended (finished or cancelled); open a new context with a new id",
+                param="context_id"), None, context_id)
+            return True
+        try:
+            if text is not None:
+                message = ContextTextMessage.model_validate(body)
+                piece = message.piece()
+            else:
+                opening = ContextOpenMessage.model_validate(body)
+                message, piece = opening, opening.piece()
+                opening.speech_text()
+        except ValidationError as exc:
+            error = first_validation_error(list(exc.errors()), skip=())
+            if text is None:
+                self.gateway.refused("ws", error)
+            elif error.param not in ContextTextMessage.model_fields:
+                error = InvalidRequestError(f"{error} (a context's options are set by its first message)",
+                                            param=error.param)
+            request_id = body["request_id"] if text is None and is_request_id(body.get("request_id")) else None
+            await self._send_error(error, request_id, context_id)
+            return True
+        except InvalidRequestError as exc:
+            await self._send_error(exc, None, context_id)
+            return True
+        if text is None:
+            if len(self._contexts) >= self.max_contexts:
+                error = InvalidRequestError(
+                    f"this connection has {self.max_contexts} contexts open "
+                    "(server.max_ws_contexts_per_connection); end or cancel one first", param="context_id")
+                self.gateway.refused("ws", error)
+                await self._send_error(error, None, context_id)
+                return True
+            if not await self._count_request(message.request_id, context_id):
+                return False
+            text = TextStream(self.gateway.config.stream_input)
+            self._contexts[context_id] = text
+            self._queued.append(_Job(message, incoming.received_at, text, context_id))
+        try:
+            if piece:
+                text.push(piece)
+            if message.flush:
+                text.flush()
+            if message.end:
+                text.end()
+        except InvalidRequestError as exc:
+            await self._send_error(exc, None, context_id)
+        return True
+
+    def _close_context(self, context_id: str) -> None:
+        if self._contexts.pop(context_id, None) is not None:
+            self._closed_contexts.append(context_id)
+
+    async def _cancel_context(self, body: dict[str, Any], context_id: str) -> None:
+        if body.get("cancel") is not True or set(body) != {"context_id", "cancel"}:
+            await self._send_error(InvalidRequestError(
+                'a context cancel message is exactly {"context_id": ..., "cancel": true}', param="cancel"),
+                None, context_id)
+            return
+        if self._current is not None and self._current_context == context_id:
+            task, request_id = self._current, self._current_id
+            task.cancel()
+            await asyncio.wait({task})
+            self._finish_current()
+            await self._send_json({"cancelled": True, "request_id": request_id, "context_id": context_id})
+            return
+        for job in self._queued:
+            if job.context_id == context_id:
+                self._queued.remove(job)
+                self._close_context(context_id)
+                self.gateway.abandoned("ws")
+                await self._send_json({"cancelled": True, "request_id": job.request.request_id,
+                                       "context_id": context_id})
+                return
+        await self._send_json({"cancelled": False, "request_id": None, "context_id": context_id,
+                               "message": "no such context is open"})
 
     async def _cancel(self, body: dict[str, Any]) -> None:
         if body.get("cancel") is not True or len(body) > 1:
@@ -259,11 +394,12 @@ class StreamConnection:
         if self._current is None:
             await self._send_json({"cancelled": False, "request_id": None, "message": "no request is running"})
             return
-        task, request_id = self._current, self._current_id
+        task, request_id, context_id = self._current, self._current_id, self._current_context
         task.cancel()
         await asyncio.wait({task})
         self._finish_current()
-        await self._send_json({"cancelled": True, "request_id": request_id})
+        await self._send_json({"cancelled": True, "request_id": request_id,
+                               **({"context_id": context_id} if context_id is not None else {})})
 
     async def _stream(self, job: _Job, synthesis_request: SynthesisRequest, request_id: str) -> None:
         """Serve one request to the end; its errors, the server's own included, become error messages."""
@@ -273,24 +409,34 @@ class StreamConnection:
             raise  # the client is gone: nobody to tell
         except Exception:
             log.exception("WebSocket request %s failed", request_id)
-            await self._send_error(SynthesisError("internal server error"), request_id)
+            await self._send_error(SynthesisError("internal server error"), request_id, job.context_id)
 
     async def _serve_request(self, job: _Job, synthesis_request: SynthesisRequest, request_id: str) -> None:
+        context = {"context_id": job.context_id} if job.context_id is not None else {}
         try:
             stream = await self.gateway.admit("ws", lambda: (synthesis_request, job.request.output_options()),
                                               received_at=job.received_at, hold_connection=False)
         except SynthesisError as exc:
-            await self._send_error(exc, request_id)
+            await self._send_error(exc, request_id, job.context_id)
             return
         assert stream is not None
         streaming = asyncio.current_task()
         assert streaming is not None
         watcher = asyncio.create_task(self._cancel_when_stalled(stream, streaming))
+        speed = stream.output.speed
         try:
-            async for data in stream.audio():
-                await self._send_bytes(data)
+            async for event in stream.events():
+                if isinstance(event, bytes):
+                    await self._send_bytes(event)
+                    continue
+                if job.request.timestamps and event.text:
+                    await self._send_json({"timestamps": timings_body(event, speed), "request_id": request_id,
+                                           **context})
+                if event.flush_id is not None:
+                    await self._send_json({"flushed": True, "flush_id": event.flush_id, "request_id": request_id,
+                                           **context})
         except SynthesisError as exc:
-            await self._send_error(exc, request_id)
+            await self._send_error(exc, request_id, job.context_id)
             return
         except asyncio.CancelledError:
             if not stream.stalled.is_set():
@@ -302,12 +448,24 @@ class StreamConnection:
         finally:
             watcher.cancel()
             await stream.close()
-        await self._send_json({"done": True, "request_id": request_id, "metrics": stream.metrics_dict()})
+        await self._send_json({"done": True, "request_id": request_id, **context, "metrics": stream.metrics_dict()})
 
     @staticmethod
     async def _cancel_when_stalled(stream: SpeechStream, streaming: asyncio.Task[Any]) -> None:
         await stream.stalled.wait()
         streaming.cancel()
+
+
+def timings_body(timings: ChunkTimings, speed: float = 1.0) -> dict[str, Any]:
+    """A text chunk's bounds (exact) and word times (estimated), in seconds of the audio as played."""
+    scale = 1.0 / (SAMPLE_RATE * speed)
+    return {
+        "chunk": {"index": timings.index, "text": timings.text, "start_s": round(timings.start_sample * scale, 4),
+                  "end_s": round(timings.end_sample * scale, 4)},
+        "words": [{"word": w.word, "start_s": round(w.start_s / speed, 4), "end_s": round(w.end_s / speed, 4)}
+                  for w in timings.words],
+        "estimated": timings.estimated,
+    }
 
 
 def add_stream_route(app: FastAPI, gateway: Gateway) -> None:

@@ -2,6 +2,7 @@
 
     python benchmark.py --mode all --compare baseline --output results/results.json
     python benchmark.py --mode scaling --concurrent 32 --protocol mixed --url http://host:8000 --grpc-addr host:50051
+    python benchmark.py --mode input-stream --concurrent 8   (text streamed in at 30 tokens/s; or --input-stream)
 
 Without --url the benchmark starts its own servers (production_server.py subprocesses on
 loopback) with the config plus --set overrides; with --url it measures that server
@@ -37,7 +38,7 @@ from .runner import (
     write_results,
 )
 
-MODES = ("single", "scaling", "tuning", "sim", "all")
+MODES = ("single", "scaling", "tuning", "sim", "input-stream", "all")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scheduler.admission modes to run the sim sweep with (one server each)")
     ap.add_argument("--sim-protocol", choices=(*PROTOCOLS, "mixed"), default="grpc",
                     help="protocol of the sim run (gRPC's client costs this machine the least CPU per stream)")
+    ap.add_argument("--input-stream", action="store_true",
+                    help="also run the text-streamed-in workload: WebSocket contexts whose words arrive at "
+                         "--input-tokens-per-s (a voice agent's LLM), at 1 and --concurrent streams")
+    ap.add_argument("--input-tokens-per-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -154,6 +159,20 @@ class Bench:
         return {"concurrency": spec.concurrency, "batched": batched_row, "baseline": baseline_row,
                 "audio_seconds_per_second_ratio": ratio}
 
+    def input_stream(self, target: Target, ttfb_target: float) -> dict[str, Any]:
+        """Text streamed in: first audio after the first clause, not after the whole reply."""
+        rows = []
+        for c in sorted({1, self.args.concurrent}):
+            spec = self.spec(c, protocol="ws", input_tokens_per_s=self.args.input_tokens_per_s)
+            row = self.run_level(target, spec, "input-stream")
+            print(f"{'':>28} first audio from the first word p50/p95={row['ttfb_from_first_word_p50_ms']}/"
+                  f"{row['ttfb_from_first_word_p95_ms']} ms, from the end of the first clause p50/p95="
+                  f"{row['ttfb_from_first_clause_p50_ms']}/{row['ttfb_from_first_clause_p95_ms']} ms; "
+                  f"{row['first_audio_before_last_word']}/{row['input_streams']} spoke before their last word",
+                  flush=True)
+            rows.append(row)
+        return {"rows": rows, "tokens_per_s": self.args.input_tokens_per_s, "ttfb_target_ms": ttfb_target}
+
     def sim(self) -> dict[str, Any]:
         """The sim engine and sim codec with an H100 FP8 cost model, behind the real gateway, offered
         loads up to `--sim-streams` (past the analytic bound: overload), once per admission mode."""
@@ -220,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"single", "scaling", "tuning", "sim"} if args.mode == "all" else {args.mode}
     t0 = time.perf_counter()
     batched_top = None
+    if args.input_stream:
+        modes.add("input-stream")
+    if "input-stream" in modes:
+        with bench.server("input-stream") as target:
+            results["input_stream"] = bench.input_stream(target, ttfb_target)
     if modes & {"single", "scaling"} or args.compare:
         with bench.server("batched") as target:
             if "single" in modes:

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from ..client.records import summarize
+from ..client.records import percentile, summarize
 from ..config import SimConfig
 from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
 from ..synthesis import PROTOCOLS
@@ -61,13 +61,14 @@ class LoadSpec:
     text_mix: tuple[float, float, float] = (0.6, 0.3, 0.1)
     max_chars: int | None = None  # the server profile's max_text_chars
     ramp_s: float = 0.0  # the first `concurrency` requests start spread evenly over this time
+    input_tokens_per_s: float | None = None  # text streamed in (WebSocket contexts): words sent at this rate
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None
                    ) -> tuple[list[Any], float]:
     """Closed loop: `spec.requests` requests, at most `spec.concurrency` in flight. Returns (results, wall_s)."""
-    from ..client.protocols import synthesize
+    from ..client.protocols import synthesize, synthesize_ws_context
 
     workload = make_workload(spec.requests, seed=spec.seed, mix=spec.text_mix, voices=spec.voice_mix,
                              max_chars=spec.max_chars)
@@ -94,7 +95,11 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
                     kwargs["client"] = http
                 elif protocol == "grpc":
                     kwargs["channel"] = channel
-                result = await synthesize(protocol, text, url=target.url, grpc_addr=target.grpc_addr, **kwargs)
+                if spec.input_tokens_per_s is not None:
+                    result = await synthesize_ws_context(target.url, text, tokens_per_s=spec.input_tokens_per_s,
+                                                         **kwargs)
+                else:
+                    result = await synthesize(protocol, text, url=target.url, grpc_addr=target.grpc_addr, **kwargs)
             if progress is not None:
                 progress(1)
             return result
@@ -116,7 +121,31 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     row["server_cpu_s"] = round(cpu, 3)
     row["server_cpu_s_per_audio_s"] = round(cpu / row["audio_seconds"], 4) if row["audio_seconds"] else None
     row["tokens_per_s"] = round(tokens / wall, 2) if wall > 0 else None
+    if spec.input_tokens_per_s is not None:
+        row["input_tokens_per_s"] = spec.input_tokens_per_s
+        row.update(input_stream_summary(results))
     return row
+
+
+def input_stream_summary(results: Sequence[Any]) -> dict[str, Any]:
+    """Text streamed in: first audio from the first word and from the end of the first clause, and how many
+    streams spoke before their last word was sent."""
+    ok = [r for r in results if r.ok and r.chunks and r.input_marks]
+    from_clause = [r.chunks[0][0] - r.input_marks["first_clause_s"] for r in ok]
+    from_word = [r.chunks[0][0] - r.input_marks["first_word_s"] for r in ok]
+    early = sum(r.chunks[0][0] < r.input_marks["last_word_s"] for r in ok)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(1000 * x, 1)
+
+    return {
+        "ttfb_from_first_word_p50_ms": ms(percentile(from_word, 0.5)),
+        "ttfb_from_first_word_p95_ms": ms(percentile(from_word, 0.95)),
+        "ttfb_from_first_clause_p50_ms": ms(percentile(from_clause, 0.5)),
+        "ttfb_from_first_clause_p95_ms": ms(percentile(from_clause, 0.95)),
+        "first_audio_before_last_word": early,
+        "input_streams": len(ok),
+    }
 
 
 # ------------------------------------------------------------------- modes

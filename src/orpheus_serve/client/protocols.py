@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -58,6 +59,9 @@ class ClientResult(StreamRecord):
     code: str | None = None  # HTTP status, gRPC status name, or the error code of a WebSocket error message
     metrics: dict[str, Any] | None = None
     request_id: str | None = None
+    # Text streamed in (synthesize_ws_context): when the first word, the end of the first clause and the
+    # last word were sent (perf_counter seconds).
+    input_marks: dict[str, float] = field(default_factory=dict)
 
     def underruns(self) -> tuple[int, float]:
         """(count, stall seconds) for a player starting at the first byte; needs PCM at the model's rate."""
@@ -158,36 +162,27 @@ def stream_url(base_url: str, path: str = STREAM_PATH) -> str:
     return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
-async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
-                        speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
-                        timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
-    """One request over a fresh WebSocket: binary audio messages until `done`."""
-    message: dict[str, Any] = {"text": text, "response_format": fmt, "speed": speed, "sample_rate": sample_rate,
-                               **_sampling(sampling)}
-    if voice is not None:
-        message["voice"] = voice
-    result = ClientResult("ws", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
-    url = stream_url(base_url)
+async def _read_until_done(ws: Any, result: ClientResult) -> ClientResult:
+    """Binary audio into `result` until the `done` message (or an error message)."""
+    async for frame in ws:
+        if isinstance(frame, bytes):
+            result._receive(frame)
+            continue
+        reply = json.loads(frame)
+        result.request_id = reply.get("request_id", result.request_id)
+        if reply.get("done"):
+            result.metrics = reply.get("metrics")
+            return result
+        if "error" in reply:
+            error = reply["error"]
+            status = "rejected" if error.get("code") in _REJECTED_CODES else "error"
+            return result._fail(status, str(error.get("message")), error.get("code"))
+    return result._fail("error", "the server closed the WebSocket before the request finished", "closed")
 
-    async def exchange() -> ClientResult:
-        async with ws_connect(url, additional_headers=_auth_headers(api_key), max_size=None, open_timeout=30) as ws:
-            result.sent_s = time.perf_counter()
-            await ws.send(json.dumps(message))
-            async for frame in ws:
-                if isinstance(frame, bytes):
-                    result._receive(frame)
-                    continue
-                reply = json.loads(frame)
-                result.request_id = reply.get("request_id", result.request_id)
-                if reply.get("done"):
-                    result.metrics = reply.get("metrics")
-                    return result
-                if "error" in reply:
-                    error = reply["error"]
-                    status = "rejected" if error.get("code") in _REJECTED_CODES else "error"
-                    return result._fail(status, str(error.get("message")), error.get("code"))
-            return result._fail("error", "the server closed the WebSocket before the request finished", "closed")
 
+async def _ws_exchange(exchange: Callable[[], Awaitable[ClientResult]], result: ClientResult, url: str,
+                       timeout_s: float) -> ClientResult:
+    """Run one WebSocket exchange; connection and protocol failures become the result's status."""
     try:
         return await asyncio.wait_for(exchange(), timeout_s)
     except websockets.InvalidStatus as exc:
@@ -203,6 +198,74 @@ async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, f
         return result._fail("error", f"no complete answer within {timeout_s:g}s", "timeout")
 
 
+async def synthesize_ws(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                        speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                        timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
+    """One request over a fresh WebSocket: binary audio messages until `done`."""
+    message: dict[str, Any] = {"text": text, "response_format": fmt, "speed": speed, "sample_rate": sample_rate,
+                               **_sampling(sampling)}
+    if voice is not None:
+        message["voice"] = voice
+    result = ClientResult("ws", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
+    url = stream_url(base_url)
+
+    async def exchange() -> ClientResult:
+        async with ws_connect(url, additional_headers=_auth_headers(api_key), max_size=None, open_timeout=30) as ws:
+            result.sent_s = time.perf_counter()
+            await ws.send(json.dumps(message))
+            return await _read_until_done(ws, result)
+
+    return await _ws_exchange(exchange, result, url, timeout_s)
+
+
+def llm_pieces(text: str) -> list[str]:
+    """`text` as an LLM would stream it: one piece per word, each with the space before the next word."""
+    words = text.split(" ")
+    return [w + " " for w in words[:-1]] + [words[-1]]
+
+
+_CLAUSE_END = (",", ";", ":", ".", "!", "?")
+
+
+async def synthesize_ws_context(base_url: str, text: str, *, tokens_per_s: float = 30.0, voice: str | None = None,
+                                fmt: str = "pcm", api_key: str | None = None, timeout_s: float = 300.0,
+                                **sampling: Any) -> ClientResult:
+    """One context over a fresh WebSocket, its text sent word by word at `tokens_per_s` (an LLM writing the
+    reply), then `end`. TTFB counts from the first word; `input_marks` says when the first clause ended."""
+    pieces = llm_pieces(text)
+    result = ClientResult("ws", time.perf_counter(), format=fmt, text_chars=len(text))
+    url = stream_url(base_url)
+    context = "bench"
+
+    async def send_text(ws: Any) -> None:
+        for k, piece in enumerate(pieces):
+            if k:
+                await asyncio.sleep(1.0 / tokens_per_s)
+            message: dict[str, Any] = {"context_id": context, "text": piece}
+            if k == 0:
+                message.update(response_format=fmt, **_sampling(sampling), **({"voice": voice} if voice else {}))
+            now = time.perf_counter()
+            if k == 0:
+                result.sent_s = now
+                result.input_marks["first_word_s"] = now
+            if "first_clause_s" not in result.input_marks and piece.rstrip().endswith(_CLAUSE_END):
+                result.input_marks["first_clause_s"] = now
+            await ws.send(json.dumps(message))
+        result.input_marks["last_word_s"] = time.perf_counter()
+        result.input_marks.setdefault("first_clause_s", result.input_marks["last_word_s"])
+        await ws.send(json.dumps({"context_id": context, "end": True}))
+
+    async def exchange() -> ClientResult:
+        async with ws_connect(url, additional_headers=_auth_headers(api_key), max_size=None, open_timeout=30) as ws:
+            sender = asyncio.create_task(send_text(ws))
+            try:
+                return await _read_until_done(ws, result)
+            finally:
+                sender.cancel()
+
+    return await _ws_exchange(exchange, result, url, timeout_s)
+
+
 async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
                               speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
                               timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
@@ -211,17 +274,16 @@ async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = N
     result = ClientResult("cartesia", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
     if fmt != "pcm":
         return result._fail("error", "the Cartesia protocol streams raw audio: use the pcm format", "format")
-    context_id = uuid.uuid4().hex
     message: dict[str, Any] = {
-        "context_id": context_id, "transcript": text, "continue": False, "model_id": "orpheus",
+        "context_id": uuid.uuid4().hex, "transcript": text, "continue": False, "model_id": "orpheus",
         "voice": {"mode": "id", "id": voice}, "add_timestamps": False,
         "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": sample_rate}}
     if speed != 1.0:
         message["generation_config"] = {"speed": speed}
     url = stream_url(base_url, CARTESIA_PATH)
-    headers = {"X-API-Key": api_key} if api_key else {}
 
     async def exchange() -> ClientResult:
+        headers = {"X-API-Key": api_key} if api_key else {}
         async with ws_connect(url, additional_headers=headers, max_size=None, open_timeout=30) as ws:
             result.sent_s = time.perf_counter()
             await ws.send(json.dumps(message))
@@ -237,18 +299,7 @@ async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = N
                     return result._fail(status, str(reply.get("error")), code)
             return result._fail("error", "the server closed the WebSocket before the context finished", "closed")
 
-    try:
-        return await asyncio.wait_for(exchange(), timeout_s)
-    except websockets.InvalidStatus as exc:
-        response = exc.response
-        status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
-        return result._fail(status, f"HTTP {response.status_code}", str(response.status_code))
-    except (OSError, websockets.InvalidHandshake) as exc:
-        return result._fail("error", f"cannot connect to {url}: {exc} (is the server running?)", "connect")
-    except websockets.ConnectionClosed as exc:
-        return result._fail("error", f"WebSocket closed: {exc}", "closed")
-    except asyncio.TimeoutError:
-        return result._fail("error", f"no complete answer within {timeout_s:g}s", "timeout")
+    return await _ws_exchange(exchange, result, url, timeout_s)
 
 
 async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
