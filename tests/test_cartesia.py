@@ -21,7 +21,7 @@ from websockets.asyncio.client import connect
 
 from orpheus_serve.api.cartesia import MAX_CONTEXTS_PER_CONNECTION
 from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import AUDIO_FORMATS
+from orpheus_serve.audio import AUDIO_FORMATS, decode_audio
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.service import TTSService
 from orpheus_serve.synthesis import PROTOCOLS
@@ -90,31 +90,38 @@ def test_a_context_streams_chunks_then_done_and_sounds_like_rest(server: ServerT
     assert log.kinds[0] == "chunk"
 
 
-def test_float_and_resampled_encodings(server: ServerThread) -> None:
-    async def scenario() -> tuple[ContextLog, ContextLog, ContextLog, ContextLog]:
-        logs: dict[str, ContextLog] = {}
-        text = "The weather today is sunny."
-        async with connect(ws_url(server)) as ws:
-            await ws.send(generation("s24", text))
-            await ws.send(generation("s16", text, sample_rate=16000))
-            await ws.send(generation("f32", text, encoding="pcm_f32le", sample_rate=16000))
-            await ws.send(generation("ulaw", text, encoding="pcm_mulaw", sample_rate=8000))
-            await receive_until(ws, logs, {"s24", "s16", "f32", "ulaw"})
-        return logs["s24"], logs["s16"], logs["f32"], logs["ulaw"]
+def test_float_resampled_and_telephony_encodings(server: ServerThread) -> None:
+    text = "The weather today is sunny."
+    encodings = {"s24": ("pcm_s16le", 24000), "s16": ("pcm_s16le", 16000), "f32": ("pcm_f32le", 16000),
+                 "s8": ("pcm_s16le", 8000), "ulaw": ("pcm_mulaw", 8000), "alaw": ("pcm_alaw", 8000)}
 
-    s24, s16, f32, ulaw = asyncio.run(scenario())
-    assert s16.final["type"] == f32.final["type"] == "done"
-    ints = np.frombuffer(bytes(s16.audio), "<i2")
-    floats = np.frombuffer(bytes(f32.audio), "<f4")
+    async def scenario() -> dict[str, ContextLog]:
+        logs: dict[str, ContextLog] = {}
+        async with connect(ws_url(server)) as ws:
+            for name, (encoding, rate) in encodings.items():
+                await ws.send(generation(name, text, encoding=encoding, sample_rate=rate))
+            await receive_until(ws, logs, set(encodings))
+        return logs
+
+    logs = asyncio.run(scenario())
+    assert all(logs[name].final["type"] == "done" for name in ("s24", "s16", "f32", "s8"))
+    ints = np.frombuffer(bytes(logs["s16"].audio), "<i2")
+    floats = np.frombuffer(bytes(logs["f32"].audio), "<f4")
     assert len(floats) == len(ints) > 0
     assert np.max(np.abs(floats * 32768.0 - ints)) <= 2  # the same speech (codec batching aside), as floats
     assert np.all(np.abs(floats) <= 1.0)
-    assert abs(len(ints) - len(s24.audio) // 2 * 2 / 3) <= 16  # resampled from the model's 24 kHz
-    if "mulaw" in AUDIO_FORMATS:
-        assert ulaw.final["type"] == "done" and len(ulaw.audio) > 0
-    else:  # G.711 is not in this server's audio module: refused, clearly, and the others are unaffected
-        assert ulaw.final["type"] == "error" and ulaw.final["status_code"] == 400
-        assert "pcm_mulaw" in ulaw.final["error"]
+    assert abs(len(ints) - len(logs["s24"].audio) // 2 * 2 / 3) <= 16  # resampled from the model's 24 kHz
+    s8 = np.frombuffer(bytes(logs["s8"].audio), "<i2").astype(np.float64)
+    for name, fmt in (("ulaw", "mulaw"), ("alaw", "alaw")):
+        log = logs[name]
+        if fmt in AUDIO_FORMATS:  # G.711: one byte a sample, the 8 kHz speech within companding error
+            assert log.final["type"] == "done" and len(log.audio) == len(s8)
+            decoded, _ = decode_audio(bytes(log.audio), fmt, sample_rate=8000)
+            noise = np.sum((decoded.astype(np.float64) - s8) ** 2)
+            assert 10 * np.log10(np.sum(s8**2) / max(noise, 1.0)) > 25
+        else:  # not in this server's audio module: refused, clearly, and the others are unaffected
+            assert log.final["type"] == "error" and log.final["status_code"] == 400
+            assert f"pcm_{fmt}" in log.final["error"]
 
 
 @pytest.mark.parametrize(("frame", "context_id", "says"), [
