@@ -267,17 +267,20 @@ async def synthesize_ws_context(base_url: str, text: str, *, tokens_per_s: float
 
 
 async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
-                              speed: float = 1.0, sample_rate: int = SAMPLE_RATE, api_key: str | None = None,
+                              speed: float = 1.0, sample_rate: int | None = SAMPLE_RATE, api_key: str | None = None,
                               timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
     """One context over a fresh Cartesia-compatible WebSocket (/tts/websocket), the whole text at once:
-    `chunk` messages until `done`. Raw 16-bit PCM only; the protocol carries no sampling options."""
-    result = ClientResult("cartesia", time.perf_counter(), format=fmt, sample_rate=sample_rate, text_chars=len(text))
-    if fmt != "pcm":
-        return result._fail("error", "the Cartesia protocol streams raw audio: use the pcm format", "format")
+    `chunk` messages until `done`. Raw audio only (`pcm` as pcm_s16le, `mulaw`, `alaw`); the protocol
+    carries no sampling options. `sample_rate` None: 24 kHz (8 kHz for G.711)."""
+    rate = sample_rate or (8000 if fmt in ("mulaw", "alaw") else SAMPLE_RATE)
+    result = ClientResult("cartesia", time.perf_counter(), format=fmt, sample_rate=rate, text_chars=len(text))
+    encoding = {"pcm": "pcm_s16le", "mulaw": "pcm_mulaw", "alaw": "pcm_alaw"}.get(fmt)
+    if encoding is None:
+        return result._fail("error", "the Cartesia protocol streams raw audio: use pcm, mulaw or alaw", "format")
     message: dict[str, Any] = {
         "context_id": uuid.uuid4().hex, "transcript": text, "continue": False, "model_id": "orpheus",
         "voice": {"mode": "id", "id": voice}, "add_timestamps": False,
-        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": sample_rate}}
+        "output_format": {"container": "raw", "encoding": encoding, "sample_rate": rate}}
     if speed != 1.0:
         message["generation_config"] = {"speed": speed}
     url = stream_url(base_url, CARTESIA_PATH)
