@@ -286,7 +286,7 @@ def test_disconnect_cancels_every_context_of_the_socket(server: ServerThread) ->
     async def scenario() -> None:
         async with connect(ws_url(server)) as ws:
             await ws.send(generation("one", INTERRUPTED, more=True))
-            await ws.send(generation("two", REPLY))
+            await ws.send(generation("two", REPLY, more=True))  # neither can finish before the socket goes
             chunks = 0
             while chunks < 2:
                 if json.loads(await asyncio.wait_for(ws.recv(), 60))["type"] == "chunk":
@@ -440,3 +440,21 @@ def test_a_client_that_stops_reading_is_cut_off(tiny_orpheus: Path, tiny_snac: P
         assert asyncio.run(one_context(srv, "Still serving.")).final["type"] == "done"
     finally:
         srv.stop()
+
+
+def test_a_bad_message_for_an_open_context_ends_it_as_its_error_says(server: ServerThread) -> None:
+    async def scenario() -> tuple[ContextLog, ContextLog]:
+        logs: dict[str, ContextLog] = {}
+        async with connect(ws_url(server)) as ws:
+            await ws.send(generation("broken", "A reply that goes on", more=True))
+            await ws.send(generation("fine", "Another reply.", more=False))
+            await ws.send(json.dumps({"context_id": "broken", "transcript": ["not", "text"], "continue": True}))
+            await receive_until(ws, logs, {"broken", "fine"})
+            await ws.send(generation("broken", " and on.", more=False))  # dropped: the context is over
+            await ws.send(generation("last", "Last one.", more=False))
+            await receive_until(ws, logs, {"last"})
+        return logs["broken"], logs["fine"]
+
+    broken, fine = asyncio.run(scenario())
+    assert broken.final["type"] == "error" and broken.final["status_code"] == 400 and broken.kinds[-1] == "error"
+    assert fine.final["type"] == "done"

@@ -48,7 +48,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ..audio import AUDIO_FORMATS
+from ..config import StreamInputConfig
 from ..protocol import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
 from ..synthesis import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
 from ..text_stream import TextStream
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 
 CARTESIA_PATH = "/tts/websocket"
 API_VERSION = "2025-04-16"
-SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 # Cartesia encoding -> the audio module's format. The float encoding is the 16-bit stream widened here.
 ENCODINGS: dict[str, str] = {"pcm_s16le": "pcm", "pcm_f32le": "pcm", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
 # Contexts one socket may have open at once (each holds a text buffer and, while it speaks, a stream).
@@ -221,7 +221,7 @@ def timestamps_message(timings: ChunkTimings, context_id: str, speed: float) -> 
 
 @dataclass(frozen=True, slots=True)
 class _Incoming:
-    message: Message | None  # None: the client disconnected
+    message: Message
     received_at: float
 
 
@@ -231,7 +231,6 @@ class _Context:
     text: TextStream
     spec: ContextSpec
     task: asyncio.Task[None] | None = None
-    stream: SpeechStream | None = field(default=None)
 
 
 class CartesiaConnection:
@@ -330,9 +329,7 @@ class CartesiaConnection:
     # ---- client messages
 
     async def _handle(self, incoming: _Incoming) -> None:
-        message = incoming.message
-        assert message is not None
-        text = message.get("text")
+        text = incoming.message.get("text")
         if text is None:
             await self._error(InvalidRequestError("binary messages are not accepted; send JSON text messages"))
             return
@@ -361,6 +358,8 @@ class CartesiaConnection:
             text, param = _validation_message(exc)
             error = InvalidRequestError(text, param=param)
             self.gateway.refused("cartesia", error)
+            if context_id in self._contexts:  # the error ends the context it names (`done: true`): stop it
+                await self._cancel(context_id)
             await self._error(error, context_id)
             return
         await self._generate(request, incoming.received_at)
@@ -401,8 +400,8 @@ class CartesiaConnection:
                 await self._error(error, context_id)
                 return
             ctx = _Context(context_id, text, spec)
-        elif ctx.text.ended and not request.transcript.strip() and not request.flush:
-            return  # a repeated end of the text: nothing to do
+        elif ctx.text.ended and not request.transcript.strip():
+            return  # a repeated end (or flush) of text already complete: nothing to do
         try:
             ctx.text.push(request.transcript)
             if request.flush or (ctx.spec.flush_each and request.transcript.strip()):
@@ -420,7 +419,7 @@ class CartesiaConnection:
             self._contexts[context_id] = ctx
             ctx.task = asyncio.create_task(self._speak(ctx, received_at), name=f"cartesia-{context_id}")
 
-    def _stream_settings(self, request: GenerationRequest) -> Any:
+    def _stream_settings(self, request: GenerationRequest) -> StreamInputConfig:
         settings = self.gateway.config.stream_input
         if request.max_buffer_delay_ms is None:
             return settings
@@ -461,8 +460,7 @@ class CartesiaConnection:
         except SynthesisError as exc:
             await self._send(error_message(exc, ctx.context_id))
             return
-        assert stream is not None
-        ctx.stream = stream
+        assert stream is not None  # admit returns None only with a `disconnected` probe
         speaking = asyncio.current_task()
         assert speaking is not None
         watcher = asyncio.create_task(self._cancel_when_stalled(stream, speaking))
