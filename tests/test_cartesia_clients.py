@@ -148,7 +148,10 @@ def test_livekit_streams_an_llm_reply_as_it_is_written(server: ServerThread) -> 
             finally:
                 await tts.aclose()
 
+    started = time.perf_counter()
     audio, timed, ended_at, first_at = asyncio.run(scenario())
+    print(f"LiveKit: first audio {first_at - started:.3f} s after the stream opened, the reply was written by "
+          f"{ended_at - started:.3f} s")
     assert first_at < ended_at, "no audio before the LLM finished writing"
     # In order and complete: the same samples as the server's chunks of this reply played back to back.
     assert_same_audio(audio, asyncio.run(replay(server, response_chunks(server, REPLY))))
@@ -254,16 +257,20 @@ async def pipecat_reply(worker: PipelineWorker, reply: str, gap_s: float = 0.05)
 
 
 def test_pipecat_streams_an_llm_reply_as_it_is_written(server: ServerThread) -> None:
-    ended_at = 0.0
+    ended_at = started = 0.0
 
     async def script(worker: PipelineWorker, recorder: Recorder) -> None:
-        nonlocal ended_at
+        nonlocal ended_at, started
+        started = time.perf_counter()
         ended_at = await pipecat_reply(worker, REPLY)
         await recorder.wait_for(TTSStoppedFrame)
 
     recorder = asyncio.run(run_pipecat(server, script))
     audio_frames = [(t, f) for t, f in recorder.frames if isinstance(f, TTSAudioRawFrame)]
-    assert audio_frames and audio_frames[0][0] < ended_at, "no audio before the LLM finished writing"
+    assert audio_frames, "no audio"
+    print(f"Pipecat: first audio {audio_frames[0][0] - started:.3f} s after the first token, the reply was written "
+          f"by {ended_at - started:.3f} s")
+    assert audio_frames[0][0] < ended_at, "no audio before the LLM finished writing"
     audio = recorder.audio()
     assert_same_audio(audio, asyncio.run(replay(server, response_chunks(server, REPLY))))
     # Pipecat turns the word timestamps into TTSTextFrames stamped with their presentation times.
