@@ -96,11 +96,25 @@ def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, An
 async def steps_until_stopped(server: ServerThread, first_text: str, since: int, *, within_s: float = 30.0) -> int:
     """Engine steps from `since` until every session of the request whose first chunk starts with
     `first_text` has finished. Bounded; polls the engine's own counters."""
+    return (await stop_steps(server, first_text, since, within_s=within_s))[0]
+
+
+async def stop_steps(server: ServerThread, first_text: str, since: int, *, within_s: float = 30.0
+                     ) -> tuple[int, int | None]:
+    """Engine steps until every session of the request whose first chunk starts with `first_text` has
+    finished: from `since` (read before the client sent its cancel, so the way to the server counts), and
+    from the moment the server closed that request's stream (its session cancelled; None if that was not
+    seen apart from the end). Bounded; polls the engine's and the gateway's own counters."""
+    open_streams = server.server.gateway.figures()["active_streams"]["cartesia"]
+    closed_at: int | None = None
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
+        now = steps(server)
+        if closed_at is None and server.server.gateway.figures()["active_streams"]["cartesia"] < open_streams:
+            closed_at = now
         entries = context_sessions(server, first_text)
         if entries and all(e["finish_reason"] is not None for e in entries):
-            return steps(server) - since
+            return now - since, None if closed_at is None else now - closed_at
         await asyncio.sleep(0.001)
     raise AssertionError(f"the sessions of {first_text!r} did not finish within {within_s}s")
 
