@@ -93,28 +93,32 @@ def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, An
     return [e for key, e in entries.items() if key.rsplit("-", 1)[0] == latest]
 
 
-async def steps_until_stopped(server: ServerThread, first_text: str, since: int, *, within_s: float = 30.0) -> int:
-    """Engine steps from `since` until every session of the request whose first chunk starts with
-    `first_text` has finished. Bounded; polls the engine's own counters."""
-    return (await stop_steps(server, first_text, since, within_s=within_s))[0]
+def cancelled_streams(server: ServerThread) -> int:
+    return server.server.gateway.figures()["requests"]["cartesia"].get("cancelled", 0)
 
 
-async def stop_steps(server: ServerThread, first_text: str, since: int, *, within_s: float = 30.0
-                     ) -> tuple[int, int | None]:
+def before_cancel(server: ServerThread) -> tuple[int, int]:
+    """(engine steps, Cartesia streams closed as cancelled), read just before a client cancels."""
+    return steps(server), cancelled_streams(server)
+
+
+async def stop_steps(server: ServerThread, first_text: str, before: tuple[int, int], *, within_s: float = 30.0
+                     ) -> tuple[int, int]:
     """Engine steps until every session of the request whose first chunk starts with `first_text` has
-    finished: from `since` (read before the client sent its cancel, so the way to the server counts), and
-    from the moment the server closed that request's stream (its session cancelled; None if that was not
-    seen apart from the end). Bounded; polls the engine's and the gateway's own counters."""
-    open_streams = server.server.gateway.figures()["active_streams"]["cartesia"]
+    finished: from `before` (read before the client cancelled, so the way to the server counts), and from
+    the moment the server closed that request's stream (its session cancelled then). Bounded; polls the
+    engine's and the gateway's own counters."""
+    since, cancelled = before
     closed_at: int | None = None
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         now = steps(server)
-        if closed_at is None and server.server.gateway.figures()["active_streams"]["cartesia"] < open_streams:
+        if closed_at is None and cancelled_streams(server) > cancelled:
             closed_at = now
         entries = context_sessions(server, first_text)
         if entries and all(e["finish_reason"] is not None for e in entries):
-            return now - since, None if closed_at is None else now - closed_at
+            assert closed_at is not None, "the sessions finished while the stream stayed open"
+            return now - since, now - closed_at
         await asyncio.sleep(0.001)
     raise AssertionError(f"the sessions of {first_text!r} did not finish within {within_s}s")
 
