@@ -7,12 +7,13 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from orpheus_serve.config import Config
-from orpheus_serve.deploy.ray import RaySettings, list_replicas, run_apps
+from orpheus_serve.deploy.ray import RaySettings, grpc_options, list_replicas, run_apps
 
 
 def free_port() -> int:
@@ -21,19 +22,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+    grpc_address: str
+
+
 @contextmanager
-def serve_cluster(settings: RaySettings, config: Config, *, num_cpus: int = 3) -> Iterator[str]:
-    """A local Ray cluster (no dashboard) with Serve's proxy on a loopback port running both applications;
-    yields the endpoint's base URL. Logical CPUs: the replicas' plus one; they share the machine's cores."""
+def serve_cluster(settings: RaySettings, config: Config, *, num_cpus: int = 3) -> Iterator[Endpoint]:
+    """A local Ray cluster (no dashboard) with Serve's HTTP and gRPC proxies on loopback ports running both
+    applications. Logical CPUs: the replicas' plus one; they share the machine's cores."""
     import ray
     from ray import serve
 
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port))
         run_apps(settings, config)
-        yield f"http://127.0.0.1:{port}"
+        yield Endpoint(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
     finally:
         serve.shutdown()
         ray.shutdown()

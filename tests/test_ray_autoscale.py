@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.gateway_support import sim_config
-from tests.ray_support import aggregate, running_replicas, serve_cluster, wait_until
+from tests.ray_support import Endpoint, aggregate, running_replicas, serve_cluster, wait_until
 
 ray = pytest.importorskip("ray")
 from orpheus_serve.deploy.ray import RaySettings  # noqa: E402  (needs ray)
@@ -30,14 +30,19 @@ TOKENS = 420  # ~5 s of audio per stream at the sim engine's pace
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_orpheus: Path):
+def cluster(tiny_orpheus: Path):
     config = sim_config(tiny_orpheus, **{"scheduler.max_concurrent_sessions": SLOTS, "scheduler.max_batch_size": SLOTS,
                                          "scheduler.max_queue": 16, "scheduler.admission": "slots",
                                          "server.shutdown_grace_s": 1.0})
     settings = RaySettings(min_replicas=1, max_replicas=2, num_cpus=1, upscale_delay_s=1.0, downscale_delay_s=3.0,
                            metrics_interval_s=0.5, look_back_period_s=2.0, health_check_period_s=2.0)
-    with serve_cluster(settings, config) as base_url:
-        yield base_url
+    with serve_cluster(settings, config) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def endpoint(cluster: Endpoint) -> str:
+    return cluster.base_url
 
 
 def test_load_starts_a_second_replica_and_its_end_scales_back_to_one(endpoint: str) -> None:

@@ -6,6 +6,7 @@ as `kubectl apply --validate=strict` would fail it."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,13 @@ pytest.importorskip("ray.serve")
 jsonschema = pytest.importorskip("jsonschema")
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from orpheus_serve.deploy.ray import RaySettings, build_app, build_stats_app, replica_options  # noqa: E402
+from orpheus_serve.deploy.ray import (  # noqa: E402
+    GRPC_SERVICER_FUNCTION,
+    RaySettings,
+    build_app,
+    build_stats_app,
+    replica_options,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
@@ -60,6 +67,10 @@ def check_serve_config(config: dict[str, Any]) -> list[RaySettings]:
     assert apps["orpheus"].import_path == "orpheus_serve.deploy.ray:build_app"
     assert apps["orpheus-stats"].import_path == "orpheus_serve.deploy.ray:build_stats_app"
     assert apps["orpheus"].args == apps["orpheus-stats"].args  # one set of args for both
+    # Serve's gRPC proxy serves orpheus.v1.Synthesizer, registered by the stubs' own function.
+    assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER_FUNCTION]
+    module, _, function = GRPC_SERVICER_FUNCTION.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), function))
     return [RaySettings.from_args(app.args) for app in schema.applications]
 
 

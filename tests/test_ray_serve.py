@@ -13,14 +13,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
 from tests.gateway_support import metric_values, tiny_config
-from tests.ray_support import aggregate, rest_outcomes, running_replicas, serve_cluster, wait_until
+from tests.ray_support import Endpoint, aggregate, rest_outcomes, running_replicas, serve_cluster, wait_until
 
 ray = pytest.importorskip("ray")
 from orpheus_serve.deploy.ray import RaySettings  # noqa: E402  (needs ray)
@@ -33,13 +36,18 @@ LONG_TOKENS = 1400
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_orpheus: Path, tiny_snac: Path):
+def cluster(tiny_orpheus: Path, tiny_snac: Path):
     # Admission by slots: on two shared cores the measured capacity would queue streams the tests want running.
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.max_tokens": LONG_TOKENS, "scheduler.admission": "slots",
                                                      "server.shutdown_grace_s": 1.0})
     settings = RaySettings(replicas=2, num_cpus=1, health_check_period_s=1.0, health_check_timeout_s=10.0)
-    with serve_cluster(settings, config) as base_url:
-        yield base_url
+    with serve_cluster(settings, config) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def endpoint(cluster: Endpoint) -> str:
+    return cluster.base_url
 
 
 def test_sixteen_concurrent_requests_are_spread_over_both_replicas(endpoint: str) -> None:
@@ -81,6 +89,34 @@ def test_websocket_request_through_the_serve_ingress(endpoint: str) -> None:
     assert result.ok, (result.code, result.error)
     assert len(result.audio) > 0 and result.metrics is not None
     assert result.metrics["samples"] == len(result.audio) // 2
+
+
+def test_grpc_through_serves_grpc_proxy(cluster: Endpoint) -> None:
+    metadata = (("application", "orpheus"),)
+
+    async def call() -> tuple[list[pb.SynthesizeResponse], list[str], grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+            stub = pb_grpc.SynthesizerStub(channel)
+            voices = await stub.ListVoices(pb.ListVoicesRequest(), metadata=metadata, timeout=60)
+            replies = [reply async for reply in stub.Synthesize(
+                pb.SynthesizeRequest(text="Hello there.", voice="tara", sampling=pb.SamplingOptions(max_tokens=28)),
+                metadata=metadata, timeout=120)]
+            try:
+                async for _ in stub.Synthesize(pb.SynthesizeRequest(text="", voice="tara"), metadata=metadata,
+                                               timeout=60):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return replies, [v.id for v in voices.voices], exc.code(), exc.details() or ""
+            raise AssertionError("an empty text was accepted")
+
+    replies, voices, code, details = asyncio.run(call())
+    assert "tara" in voices
+    audio = b"".join(r.audio.audio for r in replies if r.HasField("audio"))
+    assert len(audio) > 0 and len(audio) % (2 * SAMPLES_PER_FRAME) == 0
+    assert replies[-1].HasField("metrics") and replies[-1].metrics.samples == len(audio) // 2
+    # A refusal keeps the server's own status code and message through the proxy.
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "text" in details
 
 
 def test_aggregate_metrics_carry_a_replica_label(endpoint: str) -> None:
@@ -145,16 +181,17 @@ def test_killed_replica_fails_its_streams_and_the_other_takes_new_requests(endpo
                 .get("active_sessions")]
         return rows if len(rows) == 2 and all(progress) else None
 
-    async def load_and_kill() -> tuple[list[tuple[str, int]], dict[str, Any], int]:
+    async def load_and_kill() -> tuple[list[tuple[str, int]], dict[str, Any], int, float]:
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(one(client, i)) for i in range(streams)]
             rows = await asyncio.to_thread(wait_until, busy_rows, 60, "every stream under way on both replicas")
             victim = max(rows, key=lambda r: r["stats"]["scheduler"]["active_sessions"])
             in_flight = victim["stats"]["scheduler"]["active_sessions"]
             ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"))
-            return list(await asyncio.gather(*tasks)), victim, in_flight
+            killed_at = time.monotonic()
+            return list(await asyncio.gather(*tasks)), victim, in_flight, killed_at
 
-    outcomes, victim, in_flight = asyncio.run(load_and_kill())
+    outcomes, victim, in_flight, killed_at = asyncio.run(load_and_kill())
     failed = [o for o in outcomes if o[0] != "ok"]
     print(f"killed replica {victim['replica_id']} with {in_flight} streams in flight; outcomes {outcomes}")
     # Exactly the victim's streams fail, each with an error the client sees mid-body (the chunked body
@@ -171,14 +208,16 @@ def test_killed_replica_fails_its_streams_and_the_other_takes_new_requests(endpo
 
     results = asyncio.run(after())
     assert all(r.ok for r in results), [(r.code, r.error) for r in results]
+    print(f"{len(results)} new requests after the kill: all served, the last {time.monotonic() - killed_at:.1f}s "
+          f"after it")
 
     def replacement_running() -> list[dict[str, Any]] | None:
         replicas = running_replicas()
         ids = {r["replica_id"] for r in replicas}
         return replicas if len(ids) == 2 and victim["replica_id"] not in ids else None
 
-    started = time.monotonic()
     replaced = wait_until(replacement_running, 120, "Serve restarts the dead replica")
-    print(f"replacement running {time.monotonic() - started:.1f}s later: {[r['replica_id'] for r in replaced]}")
+    print(f"replacement running within {time.monotonic() - killed_at:.1f}s of the kill: "
+          f"{[r['replica_id'] for r in replaced]}")
     assert len({r["replica_id"] for r in replaced} - original) == 1
     assert aggregate(endpoint)["running_replicas"] == 2

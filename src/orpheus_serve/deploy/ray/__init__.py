@@ -8,11 +8,22 @@ See app.py for the applications, settings.py for how their sizes follow the serv
 docs/SCALING.md for when to use this rather than one process.
 """
 
-from .app import OrpheusReplica, StatsAggregator, build_app, build_apps, build_stats_app, list_replicas, run_apps
+from .app import (
+    GRPC_SERVICER_FUNCTION,
+    OrpheusReplica,
+    StatsAggregator,
+    build_app,
+    build_apps,
+    build_stats_app,
+    grpc_options,
+    list_replicas,
+    run_apps,
+)
 from .settings import APP_NAME, STATS_APP_NAME, STATS_ROUTE_PREFIX, RaySettings, replica_options
 
 __all__ = [
     "APP_NAME",
+    "GRPC_SERVICER_FUNCTION",
     "STATS_APP_NAME",
     "STATS_ROUTE_PREFIX",
     "OrpheusReplica",
@@ -21,6 +32,7 @@ __all__ = [
     "build_app",
     "build_apps",
     "build_stats_app",
+    "grpc_options",
     "list_replicas",
     "replica_options",
     "run_apps",

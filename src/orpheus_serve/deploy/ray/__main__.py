@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-replicas", type=int, default=2)
     parser.add_argument("--host", default="127.0.0.1", help="address of Serve's HTTP proxy (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port of Serve's HTTP proxy")
+    parser.add_argument("--grpc-port", type=int, default=50051,
+                        help="port of Serve's gRPC proxy (orpheus.v1.Synthesizer; metadata application=orpheus)")
     parser.add_argument("--config", default=None, help="server YAML config (default: config/model_config.yaml)")
     parser.add_argument("--profile", default=None, help="config profile, e.g. conversational or longform")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from .app import run_apps
+    from .app import grpc_options, run_apps
 
     init: dict[str, Any] = {"address": args.address} if args.address else {
         # Enough logical CPUs for every replica even on a small machine: they share the cores.
@@ -72,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options(args.grpc_port))
         run_apps(settings, config)
-        print(f"serving on http://{args.host}:{args.port} (aggregate stats: {STATS_ROUTE_PREFIX}); "
-              f"Ctrl-C to stop", flush=True)
+        print(f"serving on http://{args.host}:{args.port} (aggregate stats: {STATS_ROUTE_PREFIX}) and gRPC on port "
+              f"{args.grpc_port}; Ctrl-C to stop", flush=True)
         stop.wait()
     finally:
         serve.shutdown()

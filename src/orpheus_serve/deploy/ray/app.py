@@ -16,9 +16,15 @@ How the aggregator reaches each replica: the controller lists the replicas (id, 
 and each replica actor answers `record_routing_stats`, the per-replica hook Serve itself calls on
 replicas. A handle would not do: the router picks the replica, and a row per replica needs each one.
 
+gRPC: `orpheus.v1.Synthesizer` through Serve's gRPC proxy (`serve.start(grpc_options=...)` with
+`GRPC_SERVICER_FUNCTION`): the replica's `Synthesize` / `ListVoices` run the server's own servicer
+(api/grpc_server.py) over an adapter of Serve's gRPC context. With two applications on one proxy, a
+call names its application in the metadata `application: orpheus`.
+
 What differs from one process: a client that stops reading is cut off with a graceful close only
-(the replica does not own the socket to reset it; Serve's proxy does), and gRPC is not served
-through Serve's proxy (docs/SCALING.md says why and what to use).
+(the replica does not own the socket to reset it; Serve's proxy does); gRPC errors carry their status
+code and message but not the trailing metadata (error-code, retry-after-s), which Serve drops on error;
+a request Serve's proxy cannot decode is its INTERNAL error, not this server's INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
 
 import ray
 from fastapi import FastAPI, Request
@@ -44,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...api.errors import openai_error_body
 from ...api.gateway import Gateway
+from ...api.grpc_server import SynthesizerService
 from ...api.http import create_app
 from ...config import Config
 from ...metrics import PROMETHEUS_CONTENT_TYPE
@@ -59,6 +67,8 @@ from .settings import (
 
 log = logging.getLogger(__name__)
 
+# Serve's gRPC proxy registers the service with this (the stubs' own registration function).
+GRPC_SERVICER_FUNCTION = "orpheus_serve.proto.orpheus_pb2_grpc.add_SynthesizerServicer_to_server"
 # How long the aggregate waits for one replica's answer before its row says it did not answer.
 REPLICA_STATS_TIMEOUT_S = 5.0
 
@@ -78,6 +88,7 @@ class OrpheusReplica:
         self.config = config
         self.service = TTSService.from_config(config)
         self.gateway = Gateway(self.service, config)
+        self.grpc = SynthesizerService(self.gateway)
         # Warm-up inside the constructor: Serve routes nothing to a replica until it returns, so a new
         # replica (scale-up, restart) takes traffic only once its first audio has been produced.
         await self.service.start()
@@ -88,6 +99,14 @@ class OrpheusReplica:
         app = create_app(self.service, self.config, gateway=self.gateway)
         app.add_middleware(ProxyGoneIsDisconnect)
         return app
+
+    async def Synthesize(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        """`orpheus.v1.Synthesizer/Synthesize` through Serve's gRPC proxy: the server's own servicer."""
+        async for message in self.grpc.Synthesize(request, ServeGrpcContext(grpc_context)):
+            yield message
+
+    async def ListVoices(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.ListVoices(request, ServeGrpcContext(grpc_context))
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is replaced (its streams already failed)."""
@@ -106,6 +125,31 @@ class OrpheusReplica:
         await self.service.shutdown(self.config.server.shutdown_grace_s)
         await self.gateway.wait_idle(2.0)
         self.gateway.close()
+
+
+class GrpcAborted(Exception):
+    """Raised by `ServeGrpcContext.abort`: Serve answers the status code set on the context."""
+
+
+class ServeGrpcContext:
+    """The part of `grpc.aio.ServicerContext` the servicer uses, over Serve's `RayServegRPCContext`.
+
+    `abort` sets the code and message and raises, which is how a Serve deployment fails a call with a
+    status of its own; initial metadata is the proxy's to send (it sends the request id)."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self._context.set_trailing_metadata(list(metadata))
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        return None
+
+    async def abort(self, code: Any, details: str) -> NoReturn:
+        self._context.set_code(code)
+        self._context.set_details(details)
+        raise GrpcAborted(details)
 
 
 class ProxyGoneIsDisconnect:
@@ -298,8 +342,13 @@ def build_stats_app(args: dict[str, Any]) -> Any:
     return build_apps(settings)[STATS_APP_NAME]
 
 
+def grpc_options(port: int) -> dict[str, Any]:
+    """`serve.start(grpc_options=...)` serving `orpheus.v1.Synthesizer` on `port`."""
+    return {"port": port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]}
+
+
 def run_apps(settings: RaySettings, config: Config, *, blocking: bool = False) -> DeploymentHandle:
-    """`serve.run` both applications on the connected cluster; the replicas' handle."""
+    """`serve.run` both applications on the connected cluster (Serve already started); the replicas' handle."""
     apps = build_apps(settings, config)
     serve.run(apps[STATS_APP_NAME], name=STATS_APP_NAME, route_prefix=STATS_ROUTE_PREFIX)
     return serve.run(apps[APP_NAME], name=APP_NAME, route_prefix="/", blocking=blocking)
