@@ -15,6 +15,9 @@ Two Serve applications, built by `build_apps` (or `build_app` from a Serve confi
 How the aggregator reaches each replica: the controller lists the replicas (id, state, actor name)
 and each replica actor answers `record_routing_stats`, the per-replica hook Serve itself calls on
 replicas. A handle would not do: the router picks the replica, and a row per replica needs each one.
+Serve's controller also calls the hook on its own, every request_routing_stats_period_s (10 s), and
+passes the result to the routers; the default router does not use it, so that costs one snapshot per
+replica per period.
 
 gRPC: `orpheus.v1.Synthesizer` through Serve's gRPC proxy (`serve.start(grpc_options=...)` with
 `GRPC_SERVICER_FUNCTION`): the replica's `Synthesize` / `ListVoices` run the server's own servicer
