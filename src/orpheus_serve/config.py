@@ -166,6 +166,18 @@ class ServerConfig(_Strict):
     switch_interval_ms: float = Field(1.0, gt=0, le=100)  # interpreter-lock hand-off between server threads
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     playground: bool = True  # the web page at / and /playground (static files, no internet needed)
+    # The engine core (scheduler, engine, codec worker) in a process of its own, fed over ZeroMQ
+    # (mp_client.py); false: threads of this process (engine_client.InprocClient).
+    engine_process: bool = False
+    api_processes: int = Field(1, ge=1, le=64)  # API processes in front of the one engine core
+    restart_core: bool = True  # start a dead engine-core process again; false: the server exits non-zero
+    core_call_timeout_s: float = Field(5.0, gt=0)  # longest wait for the engine core's answer to a submit
+
+    @model_validator(mode="after")
+    def _api_processes_need_the_core_apart(self) -> ServerConfig:
+        if self.api_processes > 1 and not self.engine_process:
+            raise ValueError("api_processes > 1 needs engine_process: true (one engine core behind them all)")
+        return self
 
 
 class ProfileConfig(_Strict):

@@ -44,6 +44,7 @@ from .step import SEED_MAX
 from .synthesis import (
     AudioChunk,
     EngineFailureError,
+    EngineUnavailableError,
     InvalidRequestError,
     ModelInfo,
     QueueFullError,
@@ -124,6 +125,10 @@ class TTSService:
 
     def add_observer(self, observer: ServiceObserver) -> None:
         self._observers.append(observer)
+
+    @property
+    def client(self) -> EngineCoreClient:
+        return self._client
 
     @property
     def engine_alive(self) -> bool:
@@ -271,6 +276,8 @@ class TTSService:
             raise SynthesisTimeoutError("the request timed out (waiting for a slot or generating)")
         if done.reason == "cancelled":
             raise ServiceUnavailableError("the request was cancelled by the server (shutting down)")
+        if done.reason == "unavailable":  # the engine-core process died under the stream
+            raise EngineUnavailableError(done.error or "the engine core is unavailable")
         raise EngineFailureError(done.error or "generation failed")
 
     def _notify(self, method: str, *args: Any) -> None:

@@ -145,7 +145,8 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
         "codec": core.codec,
         "flow": flow_stats(snapshot),
         "requests": tally.as_dict(),
-        "process": {"cpu_s": round(cpu_s, 3)},  # all threads; for CPU cost per audio second
+        # All threads; with the engine core in its own process, `cpu_s` adds its CPU time to this process's.
+        "process": {"cpu_s": round(cpu_s + core.core_cpu_s, 3), "engine_core_cpu_s": round(core.core_cpu_s, 3)},
         "throughput": {
             "uptime_s": round(uptime, 3),
             "audio_seconds_total": round(tally.audio_seconds, 3),
