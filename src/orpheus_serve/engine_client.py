@@ -89,6 +89,8 @@ class EngineCoreStats:
     # CPU seconds of the engine-core process (all its threads) when it runs apart; 0.0 in-process, where
     # the server's own process time already counts it.
     core_cpu_s: float = 0.0
+    core_pid: int | None = None  # the engine-core process, when it runs apart
+    core_restarts: int = 0  # times it was started again after it died
 
 
 class EngineCoreClient(Protocol):

@@ -253,11 +253,11 @@ class MPClient:
         else:
             failure = self._core_failure or "the engine core is not running"
         assert self._last_stats is not None  # launch() took one
-        return replace(self._last_stats, engine_alive=False, engine_failure=failure)
+        return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
 
     def _stats_call(self) -> EngineCoreStats:
         _, values = self._call(wire.CALL_STATS)
-        stats = wire.decode_stats(values)
+        stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
         if stats.engine_failure is not None:
             self._engine_failure = stats.engine_failure
         return stats

@@ -124,11 +124,12 @@ def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
     resolved = resolve_models(config)
     config = resolved.config
     tokenizer = load_tokenizer(resolved.tokenizer_path)
-    if config.server.engine_process:
+    if config.server.engine_process and record_tokens:
+        # The token log taps the engine core's threads; tooling that asks for it gets them in this process.
+        log.info("recording tokens: the engine core runs in this process (server.engine_process ignored)")
+    elif config.server.engine_process:
         from .mp_client import MPClient
 
-        if record_tokens:
-            raise ValueError("recording tokens needs the engine core in this process (server.engine_process: false)")
         client = MPClient(config)
         core = client.launch()
         return TTSService(config, client=client, tokenizer=tokenizer, model_info=resolved.info,

@@ -1,0 +1,225 @@
+"""The engine core in its own process (server.engine_process): the wire, admission answers, core death.
+
+The rest of the gateway suite runs against the split server too (ORPHEUS_ENGINE_PROCESS=1, see
+gateway_support.py); these tests check what only the split has: a core process that can die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+
+from orpheus_serve import engine_wire as wire
+from orpheus_serve.benchmarking.launch import LaunchedServer
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.engine_client import SessionDone
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.scheduler import SessionRequest
+from orpheus_serve.step import SEED_MAX, SamplingParams
+from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
+
+SPLIT = {"server.engine_process": True}
+LONG = "This stream keeps talking for a good while, long enough to be cut off in the middle."
+
+
+def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
+    request = SessionRequest(request_id="r-0", prompt_ids=(128259, 128000, 42, 128257),
+                             sampling=SamplingParams(temperature=0.0, top_k=5, max_tokens=700, seed=SEED_MAX),
+                             arrival_s=12.5, playback_start_s=11.0, audio_before_s=1.25)
+    assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))) == request
+    pcm = bytes(range(256)) * 8
+    done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
+    for item in (pcm, done):
+        assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
+
+
+def _core_pid(server: Any) -> int:
+    pid = stats(server)["process"]["engine_core_pid"]
+    assert isinstance(pid, int) and pid != os.getpid()
+    return pid
+
+
+def test_split_server_streams_and_counts_the_core_separately(tiny_orpheus: Path) -> None:
+    server = start_server(sim_config(tiny_orpheus, **SPLIT))
+    try:
+        response = httpx.post(f"{server.base_url}/v1/audio/speech",
+                              json={"input": "Hello there.", "response_format": "pcm", "max_tokens": 140}, timeout=30)
+        assert response.status_code == 200 and len(response.content) > 0
+        snapshot = stats(server)
+        assert snapshot["scheduler"]["finished"] >= 1 and snapshot["total_tokens"] > 0
+        process = snapshot["process"]
+        assert process["engine_core_cpu_s"] > 0 and process["cpu_s"] > process["engine_core_cpu_s"]
+        assert process["engine_core_restarts"] == 0
+        _core_pid(server)
+        check_openai_error(httpx.post(f"{server.base_url}/v1/audio/speech", json={"input": "x" * 5000}), 400)
+    finally:
+        server.stop()
+
+
+def test_a_full_queue_is_refused_by_the_core_with_a_retry_hint(tiny_orpheus: Path) -> None:
+    config = sim_config(tiny_orpheus, **SPLIT, **{"scheduler.max_concurrent_sessions": 1, "scheduler.max_batch_size": 1,
+                                                  "scheduler.max_queue": 0})
+    server = start_server(config)
+    try:
+        async def two() -> list[api_client.ClientResult]:
+            first = asyncio.create_task(api_client.synthesize_grpc(server.grpc_address, LONG, max_tokens=700))
+            await asyncio.to_thread(wait_for, lambda: stats(server)["scheduler"]["active_sessions"] == 1, 30,
+                                    "the first stream holds the slot")
+            second = await api_client.synthesize_rest(server.base_url, "Me too.", max_tokens=70)
+            return [await first, second]
+
+        first, second = asyncio.run(two())
+        assert first.status == "ok", first.error
+        assert second.status == "rejected" and second.code == "server_busy", (second.status, second.error)
+    finally:
+        server.stop()
+
+
+async def _sse_until_error(base_url: str, first_audio: asyncio.Event) -> dict[str, Any]:
+    """An SSE stream: its error event, with the audio deltas before it."""
+    deltas = 0
+    async with httpx.AsyncClient(timeout=60) as http, http.stream(
+            "POST", f"{base_url}/v1/audio/speech",
+            json={"input": LONG, "stream_format": "sse", "response_format": "pcm", "max_tokens": 2800}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            if event["type"] == "speech.audio.delta":
+                deltas += 1
+                first_audio.set()
+            elif event["type"] == "error":
+                return {"deltas": deltas, **event["error"]}
+            else:
+                raise AssertionError(f"the stream ended normally: {event['type']}")
+    raise AssertionError("the SSE stream closed without an error event")
+
+
+async def _ws_until_error(base_url: str, first_audio: asyncio.Event) -> dict[str, Any]:
+    """A WebSocket request: its error message, with the audio messages before it."""
+    chunks = 0
+    async with ws_connect(api_client.stream_url(base_url), max_size=None) as ws:
+        await ws.send(json.dumps({"text": LONG, "response_format": "pcm", "max_tokens": 2800}))
+        async for frame in ws:
+            if isinstance(frame, bytes):
+                chunks += 1
+                first_audio.set()
+                continue
+            reply = json.loads(frame)
+            if "error" in reply:
+                return {"chunks": chunks, **reply["error"]}
+            raise AssertionError(f"the stream ended normally: {reply}")
+    raise AssertionError("the WebSocket closed without an error message")
+
+
+async def _grpc_until_error(address: str, first_audio: asyncio.Event) -> tuple[int, grpc.StatusCode, str]:
+    """A gRPC stream: (audio messages, status code, details) of the error that ended it."""
+    chunks = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SynthesizerStub(channel).Synthesize(
+            pb.SynthesizeRequest(text=LONG, sampling=pb.SamplingOptions(max_tokens=2800)), timeout=60)
+        try:
+            async for response in call:
+                if response.HasField("audio"):
+                    chunks += 1
+                    first_audio.set()
+        except grpc.aio.AioRpcError as exc:
+            return chunks, exc.code(), exc.details() or ""
+    raise AssertionError("the gRPC stream ended normally")
+
+
+def test_killing_the_core_mid_stream_fails_every_stream_and_the_core_comes_back(tiny_orpheus: Path) -> None:
+    # Streams of 300 frames (25 s of audio, paced in real time): well under way when the core dies.
+    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.end_after_frames": 300}))
+    base = server.base_url
+    try:
+        old_pid = _core_pid(server)
+
+        async def scenario() -> tuple[dict[str, Any], dict[str, Any], tuple[int, grpc.StatusCode, str], float]:
+            started = [asyncio.Event() for _ in range(3)]
+            streams = asyncio.gather(_sse_until_error(base, started[0]), _ws_until_error(base, started[1]),
+                                     _grpc_until_error(server.grpc_address, started[2]))
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+            os.kill(old_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            sse, ws, grpc_result = await asyncio.wait_for(streams, 30)
+            return sse, ws, grpc_result, time.monotonic() - killed_at
+
+        sse, ws, (grpc_chunks, grpc_code, grpc_details), waited_s = asyncio.run(scenario())
+        # Each protocol's own "unavailable": an SSE error event, a WebSocket error message, gRPC UNAVAILABLE.
+        assert sse["code"] == "engine_unavailable" and sse["type"] == "server_error" and sse["deltas"] > 0, sse
+        assert "engine-core process died" in sse["message"]
+        assert ws["code"] == "engine_unavailable" and ws["chunks"] > 0, ws
+        assert grpc_code == grpc.StatusCode.UNAVAILABLE and grpc_chunks > 0, (grpc_code, grpc_details)
+        assert "engine-core process died" in grpc_details
+        assert waited_s < 10
+        # Until the new core is up, /ready says so and new requests get 503 at once.
+        ready = httpx.get(f"{base}/ready")
+        assert (ready.status_code, ready.json()) == (503, {"status": "engine_failed"})
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "Anyone?"}), 503, "unavailable")
+
+        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 200, 120, "the restarted core is ready")
+        assert _core_pid(server) != old_pid
+        snapshot = stats(server)
+        assert snapshot["process"]["engine_core_restarts"] == 1 and snapshot["engine"]["alive"] is True
+        assert snapshot["requests"]["requests_failed"] == 3
+
+        async def after() -> list[api_client.ClientResult]:
+            return list(await asyncio.gather(*(api_client.synthesize(p, "Back again.", url=base,
+                                                                     grpc_addr=server.grpc_address, max_tokens=140)
+                                               for p in ("rest", "ws", "grpc"))))
+
+        for result in asyncio.run(after()):
+            assert result.status == "ok" and result.chunks, (result.protocol, result.error)
+    finally:
+        server.stop()
+
+
+def test_without_restart_a_dead_core_stops_the_server_with_a_nonzero_exit(tiny_orpheus: Path, tmp_path: Path) -> None:
+    overrides = [f"{key}={value}" for key, value in {
+        "engine.backend": "sim", "engine.model_path": tiny_orpheus, "codec.decoder": "sim",
+        "codec.path": tiny_orpheus.parent / "tiny-snac", "server.engine_process": "true",
+        "server.restart_core": "false", "server.shutdown_grace_s": 1.0, "server.log_level": "info",
+    }.items()]
+    launched = LaunchedServer(overrides, ready_timeout_s=120, log_path=tmp_path / "server.log")
+    launched.start()
+    try:
+        assert launched.process is not None
+        pid = launched.stats()["process"]["engine_core_pid"]
+        os.kill(pid, signal.SIGKILL)
+        try:
+            code = launched.process.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server kept running after its engine core died")
+        assert code == 1
+        log = (tmp_path / "server.log").read_text()
+        assert "engine-core process died" in log and "restart_core is off" in log
+    finally:
+        launched.stop()
+
+
+def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
+    """An engine that fails to build in the core process fails the server's start with the core's own
+    traceback, at once, instead of a hang."""
+    from orpheus_serve.mp_client import CoreStartError
+    from orpheus_serve.service import TTSService
+
+    config = sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.step_base_ms": 9.0, "engine.backend": "torch",
+                                                  "engine.device": "cuda:7"})
+    started = time.monotonic()
+    with pytest.raises(CoreStartError, match=r"(?s)failed to start.*Traceback"):
+        TTSService.from_config(config)
+    assert time.monotonic() - started < 120
