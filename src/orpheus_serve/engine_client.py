@@ -86,6 +86,8 @@ class EngineCoreStats:
     steps: int
     step_errors: int
     busy_s: float
+    engine_elapsed_s: float  # the engine's own account of its steps (the sim engine: modelled time)
+    loop_s: float  # engine-core loop periods that ran a step (busy_s plus scheduling and dispatch)
     # CPU seconds of the engine-core process (all its threads) when it runs apart; 0.0 in-process, where
     # the server's own process time already counts it.
     core_cpu_s: float = 0.0
@@ -194,7 +196,8 @@ class CoreRuntime:
             codec_backlog_frames=backlog_frames, codec_oldest_pending_s=oldest_s,
             memory=self.engine.memory_report(), engine_alive=self._core.engine_alive,
             engine_failure=self._core.engine_failure, steps=self._core.steps, step_errors=self._core.step_errors,
-            busy_s=self._core.busy_s, core_cpu_s=core_cpu_s,
+            busy_s=self._core.busy_s, engine_elapsed_s=self._core.engine_elapsed_s, loop_s=self._core.loop_s,
+            core_cpu_s=core_cpu_s,
         )
 
     # ------------------------------------------- from the engine core and codec threads

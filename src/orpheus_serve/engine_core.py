@@ -95,7 +95,9 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_errors = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # wall time inside engine.step
+        self.engine_elapsed_s = 0.0  # what the engine says its steps took (the sim engine: its cost model)
+        self.loop_s = 0.0  # whole loop periods that ran a step: schedule -> step -> update -> dispatch
         self.engine_failure: str | None = None  # set when the engine is declared dead
         self._lone_failures = 0  # sessions failed alone since the engine last ran anything successfully
 
@@ -169,9 +171,12 @@ class EngineCore:
             t0 = time.perf_counter()
             output = self._step(plan)
             self.busy_s += time.perf_counter() - t0
+            self.engine_elapsed_s += output.elapsed_s
             self.steps += 1
             self._dispatch(self._scheduler.update(plan, output))
-            self._scheduler.record_step_time(plan, time.perf_counter() - period_start)
+            period = time.perf_counter() - period_start
+            self.loop_s += period
+            self._scheduler.record_step_time(plan, period)
 
     def _step(self, plan: StepPlan) -> StepOutput:
         if self.engine_failure is not None:

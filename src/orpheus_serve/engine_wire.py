@@ -79,13 +79,15 @@ def decode_output(entry: list[Any]) -> tuple[str, SessionOutput]:
 def encode_stats(stats: EngineCoreStats) -> list[Any]:
     return [list(astuple(stats.scheduler)), list(astuple(stats.flow)), stats.codec, stats.codec_backlog_frames,
             stats.codec_oldest_pending_s, list(astuple(stats.memory)), stats.engine_alive, stats.engine_failure,
-            stats.steps, stats.step_errors, stats.busy_s, stats.core_cpu_s]
+            stats.steps, stats.step_errors, stats.busy_s, stats.engine_elapsed_s, stats.loop_s, stats.core_cpu_s]
 
 
 def decode_stats(values: list[Any]) -> EngineCoreStats:
-    scheduler, flow, codec, backlog, oldest, memory, alive, failure, steps, step_errors, busy_s, cpu_s = values
+    (scheduler, flow, codec, backlog, oldest, memory, alive, failure, steps, step_errors, busy_s, elapsed_s, loop_s,
+     cpu_s) = values
     return EngineCoreStats(
         scheduler=SchedulerStats(*scheduler), flow=FlowStats(*flow), codec=codec, codec_backlog_frames=backlog,
         codec_oldest_pending_s=oldest, memory=MemoryReport(*memory), engine_alive=alive, engine_failure=failure,
-        steps=steps, step_errors=step_errors, busy_s=busy_s, core_cpu_s=cpu_s)
+        steps=steps, step_errors=step_errors, busy_s=busy_s, engine_elapsed_s=elapsed_s, loop_s=loop_s,
+        core_cpu_s=cpu_s)
 

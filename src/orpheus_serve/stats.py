@@ -141,6 +141,8 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "steps": core.steps,
             "step_errors": core.step_errors,
             "busy_s": round(core.busy_s, 3),
+            "engine_elapsed_s": round(core.engine_elapsed_s, 3),
+            "loop_s": round(core.loop_s, 3),
         },
         "codec": core.codec,
         "flow": flow_stats(snapshot),

@@ -116,7 +116,31 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     row["server_cpu_s"] = round(cpu, 3)
     row["server_cpu_s_per_audio_s"] = round(cpu / row["audio_seconds"], 4) if row["audio_seconds"] else None
     row["tokens_per_s"] = round(tokens / wall, 2) if wall > 0 else None
+    row.update(plumbing_cost(before, after))
     return row
+
+
+def plumbing_cost(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Between two /v1/stats snapshots: CPU per generated token in the engine-core process and in the API
+    process (the core's share is 0 when it runs in the server's process), and the engine core's mean
+    loop period per step against what the engine says its steps took (the sim engine: its cost model)."""
+    tokens = after["total_tokens"] - before["total_tokens"]
+    core_cpu = after["process"].get("engine_core_cpu_s", 0.0) - before["process"].get("engine_core_cpu_s", 0.0)
+    api_cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"] - core_cpu
+    engine_a, engine_b = before["engine"], after["engine"]
+    steps = engine_b["steps"] - engine_a["steps"]
+    out: dict[str, Any] = {
+        "core_cpu_us_per_token": round(1e6 * core_cpu / tokens, 1) if tokens else None,
+        "api_cpu_us_per_token": round(1e6 * api_cpu / tokens, 1) if tokens else None,
+        "steps": steps, "loop_ms_per_step": None, "engine_ms_per_step": None, "loop_over_engine": None,
+    }
+    if steps and "loop_s" in engine_b:
+        loop = (engine_b["loop_s"] - engine_a["loop_s"]) / steps
+        engine = (engine_b["engine_elapsed_s"] - engine_a["engine_elapsed_s"]) / steps
+        out["loop_ms_per_step"] = round(1000 * loop, 3)
+        out["engine_ms_per_step"] = round(1000 * engine, 3)
+        out["loop_over_engine"] = round(loop / engine, 4) if engine > 0 else None
+    return out
 
 
 # ------------------------------------------------------------------- modes
