@@ -23,6 +23,7 @@ from websockets.asyncio.client import connect as ws_connect
 from orpheus_serve import engine_wire as wire
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.config import ConfigError, load_config
 from orpheus_serve.engine_client import SessionDone
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
@@ -43,6 +44,11 @@ def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
     done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
     for item in (pcm, done):
         assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
+
+
+def test_more_than_one_api_process_is_refused_at_start_up() -> None:
+    with pytest.raises(ConfigError, match=r"server\.api_processes: only 1 API process is supported"):
+        load_config(overrides={"server.engine_process": True, "server.api_processes": 2}, env={})
 
 
 def _core_pid(server: Any) -> int:

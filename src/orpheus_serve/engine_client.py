@@ -11,11 +11,16 @@ service talks to the engine core only through `EngineCoreClient`:
     stats()                       typed figures: EngineCoreStats
 
 What crosses the seam is plain data (the request dataclass, PCM bytes, a
-`SessionDone` record, a stats dataclass), so an engine core in another
-process is a second implementation of this protocol, not a rewrite.
+`SessionDone` record, a stats dataclass), so the engine core can run in this
+process or in another one behind the same protocol:
 
-`InprocClient` runs the engine core and the codec worker as threads of this
-process:
+    CoreRuntime   the scheduler, the engine core thread and the codec worker thread, wired
+                  together; outputs leave through one `post(session_id, item)` callback
+    InprocClient  CoreRuntime as threads of this process (server.engine_process: false)
+    MPClient      CoreRuntime in an engine-core process of its own, over ZeroMQ with msgpack
+                  messages (mp_client.py, engine_proc.py, engine_wire.py; server.engine_process: true)
+
+In-process:
 
     engine core thread: schedule -> engine.step -> update
        FramesReady ──────────────▶ codec worker thread (batched SNAC decode)
@@ -26,7 +31,8 @@ process:
 Items from both threads reach the loop in batches: one wake-up per batch of
 codec results instead of one per result. The mailboxes stay bounded because
 the scheduler holds back sessions whose client has not taken their audio
-(`max_server_buffer_s` plus one push).
+(`max_server_buffer_s` plus one push). In the engine-core process the same
+posts go to an output thread that sends one message per batch instead.
 """
 
 from __future__ import annotations

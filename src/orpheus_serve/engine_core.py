@@ -1,5 +1,10 @@
 """The engine core: one thread that drives the token engine.
 
+It runs in the server's process (engine_client.InprocClient) or in an
+engine-core process of its own (engine_proc.py, `server.engine_process`);
+either way `engine_client.CoreRuntime` wires it to the scheduler and the
+codec worker, and it never touches a socket.
+
     loop:
         plan = scheduler.schedule()          # pure bookkeeping
         out = engine.step(plan)              # the model runs here
@@ -7,7 +12,8 @@
         FramesReady      -> codec worker (batched SNAC decode on its own thread)
         other events     -> on_event (the service hops them onto its asyncio loop)
 
-`submit` and `cancel` come from the asyncio thread; the scheduler's own lock
+`submit` and `cancel` come from the asyncio thread (or, in the engine-core
+process, from its input thread); the scheduler's own lock
 makes that safe. When there is no work the thread waits on a condition that
 `submit`/`cancel`/`stop`/`wake` notify (after changing the scheduler, so no
 wake-up is lost); it never polls. While sessions exist but none can step

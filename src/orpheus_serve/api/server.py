@@ -1,5 +1,8 @@
 """One process, one asyncio loop: uvicorn (HTTP + WebSocket) and grpc.aio in front of one TTSService.
 
+With `server.engine_process` the service's engine core runs in a process of its own, which this
+one starts and supervises (mp_client.py); if it dies for good the server stops with exit code 1.
+
 Start-up order: bind both ports (so /health answers and /ready says
 `warming_up` at once), then `service.start()` warms the model, then /ready and
 the gRPC health service turn to serving. Shutdown (SIGTERM/SIGINT in
