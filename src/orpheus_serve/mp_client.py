@@ -181,7 +181,7 @@ class MPClient:
                 self._loop.remove_reader(process.sentinel)
             if process.is_alive() and self._alive:
                 try:
-                    self._call(CALL_SHUTDOWN)
+                    self._call(CALL_SHUTDOWN, timeout_s=_JOIN_S)
                 except ServiceUnavailableError as exc:
                     log.error("the engine core did not take the stop request (%s); terminating it", exc)
             process.join(_JOIN_S)
@@ -210,7 +210,12 @@ class MPClient:
         self._submit(request)
 
     def _submit(self, request: SessionRequest) -> None:
-        status, *detail = self._call(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
+        try:
+            status, *detail = self._call(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
+        except ServiceUnavailableError:
+            # No answer in time: the core may still have queued it, for nobody. Cancel it there.
+            self.cancel(request.request_id)
+            raise
         if status == wire.OK:
             # The output handler cannot have read anything for it yet: it runs on this loop, after this call.
             self._mailboxes[request.request_id] = asyncio.Queue()
@@ -264,11 +269,12 @@ class MPClient:
 
     # ------------------------------------------------------------ transport
 
-    def _call(self, kind: int, *args: Any) -> list[Any]:
+    def _call(self, kind: int, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Send one call and wait for its answer (blocking the loop: one round trip to a core that
         answers from its input thread). ServiceUnavailableError if it cannot be sent, the core dies, or
-        no answer comes within server.core_call_timeout_s."""
+        no answer comes within `timeout_s` (server.core_call_timeout_s)."""
         assert self._calls is not None
+        timeout = self._timeout_s if timeout_s is None else timeout_s
         self._flush_notes()
         self._seq += 1
         seq = self._seq
@@ -276,11 +282,11 @@ class MPClient:
             self._calls.send(wire.pack([kind, seq, *args]), zmq.NOBLOCK)
         except zmq.Again:
             raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
-        deadline = time.monotonic() + self._timeout_s
+        deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ServiceUnavailableError(f"the engine core did not answer within {self._timeout_s:g} s")
+                raise ServiceUnavailableError(f"the engine core did not answer within {timeout:g} s")
             if self._calls.poll(int(min(remaining, 0.1) * 1000) + 1):
                 reply = wire.unpack(self._calls.recv())
                 if reply[0] == seq:

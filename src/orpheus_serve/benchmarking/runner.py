@@ -132,12 +132,14 @@ def plumbing_cost(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     out: dict[str, Any] = {
         "core_cpu_us_per_token": round(1e6 * core_cpu / tokens, 1) if tokens else None,
         "api_cpu_us_per_token": round(1e6 * api_cpu / tokens, 1) if tokens else None,
-        "steps": steps, "loop_ms_per_step": None, "engine_ms_per_step": None, "loop_over_engine": None,
+        "steps": steps, "loop_ms_per_step": None, "step_call_ms_per_step": None, "engine_ms_per_step": None,
+        "loop_over_engine": None,
     }
     if steps and "loop_s" in engine_b:
         loop = (engine_b["loop_s"] - engine_a["loop_s"]) / steps
         engine = (engine_b["engine_elapsed_s"] - engine_a["engine_elapsed_s"]) / steps
         out["loop_ms_per_step"] = round(1000 * loop, 3)
+        out["step_call_ms_per_step"] = round(1000 * (engine_b["busy_s"] - engine_a["busy_s"]) / steps, 3)
         out["engine_ms_per_step"] = round(1000 * engine, 3)
         out["loop_over_engine"] = round(loop / engine, 4) if engine > 0 else None
     return out
