@@ -194,6 +194,23 @@ def test_killing_the_core_mid_stream_fails_every_stream_and_the_core_comes_back(
         server.stop()
 
 
+def test_a_stuck_core_is_killed_at_the_call_timeout_and_started_again(tiny_orpheus: Path) -> None:
+    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{"server.core_call_timeout_s": 1.0}))
+    base = server.base_url
+    try:
+        old_pid = _core_pid(server)
+        os.kill(old_pid, signal.SIGSTOP)  # alive, but answers nothing
+        started = time.monotonic()
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "Anyone?"}, timeout=30), 503)
+        assert time.monotonic() - started < 5
+        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 200, 120, "the restarted core is ready")
+        assert _core_pid(server) != old_pid
+        response = httpx.post(f"{base}/v1/audio/speech", json={"input": "Back.", "response_format": "pcm"}, timeout=30)
+        assert response.status_code == 200 and response.content
+    finally:
+        server.stop()
+
+
 def test_without_restart_a_dead_core_stops_the_server_with_a_nonzero_exit(tiny_orpheus: Path, tmp_path: Path) -> None:
     overrides = [f"{key}={value}" for key, value in {
         "engine.backend": "sim", "engine.model_path": tiny_orpheus, "codec.decoder": "sim",

@@ -22,7 +22,9 @@ core before a later submit).
 
 Lifecycle. `launch()` spawns the core (multiprocessing spawn context), which
 builds the engine and decoder and reports ready, or why it failed. The loop
-watches the process's sentinel: if the core dies, every open stream ends with
+watches the process's sentinel. A core that leaves a call unanswered for
+`server.core_call_timeout_s` is stuck (its input thread answers whatever the
+engine is doing) and is killed. If the core dies, every open stream ends with
 `SessionDone(reason="unavailable")` (the service raises EngineUnavailableError:
 503 / UNAVAILABLE), `engine_alive` turns False (/ready: 503), and the core is
 started again (`server.restart_core`), warmed with the first session this
@@ -286,7 +288,13 @@ class MPClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ServiceUnavailableError(f"the engine core did not answer within {timeout:g} s")
+                message = f"the engine core did not answer within {timeout:g} s"
+                if not self._stopping and self._process is not None and self._process.is_alive():
+                    # Its input thread answers at once whatever the engine does: silence means it is stuck.
+                    # Treated as dead: killed, its streams failed, and started again (see _on_process_exit).
+                    log.error("%s; killing it (process %d)", message, self._process.pid)
+                    self._process.kill()
+                raise ServiceUnavailableError(message)
             if self._calls.poll(int(min(remaining, 0.1) * 1000) + 1):
                 reply = wire.unpack(self._calls.recv())
                 if reply[0] == seq:
