@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 
 _JOIN_S = 10.0  # the core's own shutdown (engine close, codec stop) before it is terminated
 _WARMUP_S = 120.0  # a restarted core's warm-up session
+# A core that dies more than this many times within _CRASH_LOOP_S is not started again (the server stops):
+# something outside it is wrong, and each restart would fail every stream once more.
+_CRASH_LOOP_RESTARTS = 3
+_CRASH_LOOP_S = 300.0
 
 
 class CoreStartError(RuntimeError):
@@ -101,6 +105,7 @@ class MPClient:
         self._warmup: SessionRequest | None = None
         self._stopping = False
         self.restarts = 0
+        self._deaths: list[float] = []  # monotonic times the core died, within _CRASH_LOOP_S
         # Set when the core died and will not be started again: the server exits non-zero.
         self.fatal = asyncio.Event()
 
@@ -141,6 +146,10 @@ class MPClient:
         if status != "ready":
             process.join(_JOIN_S)
             raise CoreStartError(f"the engine core failed to start:\n{payload}")
+        if self._stopping:  # a restart that finished after shutdown() began: this core is not wanted
+            process.kill()
+            process.join()
+            raise CoreStartError("the server stopped while the engine core was starting")
         self._process = process
         log.info("engine core running in process %d (%d slots, max_seq_len %d)", payload.pid, payload.num_slots,
                  payload.max_seq_len)
@@ -370,12 +379,18 @@ class MPClient:
         for mailbox in self._mailboxes.values():
             mailbox.put_nowait(SessionDone(reason="unavailable", error=reason))
         self._delivered, self._cancels, self._releases = {}, [], []
-        if self._config.server.restart_core:
-            assert self._loop is not None
-            self._restart_task = self._loop.create_task(self._restart(), name="engine-core-restart")
-        else:
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < _CRASH_LOOP_S] + [now]
+        if not self._config.server.restart_core:
             log.critical("server.restart_core is off: the server stops")
             self.fatal.set()
+        elif len(self._deaths) > _CRASH_LOOP_RESTARTS:
+            log.critical("the engine core died %d times within %.0f s; not starting it again: the server stops",
+                         len(self._deaths), _CRASH_LOOP_S)
+            self.fatal.set()
+        else:
+            assert self._loop is not None
+            self._restart_task = self._loop.create_task(self._restart(), name="engine-core-restart")
 
     async def _restart(self) -> None:
         assert self._loop is not None
