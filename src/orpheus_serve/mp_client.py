@@ -98,7 +98,8 @@ class MPClient:
         self._cancels: list[str] = []
         self._releases: list[str] = []
         self._flush_scheduled = False
-        self._alive = False  # the process runs and answers
+        self._alive = False  # the process runs and answers (the transport is up)
+        self._serving = False  # and it takes sessions: up, and warmed up after a restart
         self._core_failure: str | None = None  # why the process is gone
         self._engine_failure: str | None = None  # the core declared its engine dead
         self._last_stats: EngineCoreStats | None = None
@@ -118,9 +119,13 @@ class MPClient:
         self._pull.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._addresses.outputs[self._api])
-        self.info = self._spawn()
+        try:
+            self.info = self._spawn()
+        except BaseException:
+            self._close_transport()
+            raise
         self._open_calls()
-        self._alive = True
+        self._alive = self._serving = True
         self._last_stats = self._stats_call()
         return self.info
 
@@ -172,7 +177,7 @@ class MPClient:
 
     @property
     def engine_alive(self) -> bool:
-        return self._alive and self._engine_failure is None
+        return self._serving and self._engine_failure is None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._process is None:
@@ -203,18 +208,21 @@ class MPClient:
             if process.is_alive():
                 process.kill()
                 process.join()
-        self._alive = False
+        self._alive = self._serving = False
         if self._reader is not None:
             self._reader.cancel()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
         for sock in (self._calls, self._pull):
             if sock is not None:
                 sock.close(0)
         self._ctx.term()
         self._actx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self._dir)
 
     def submit(self, request: SessionRequest) -> None:
-        if not self._alive:
+        if not self._serving:
             raise ServiceUnavailableError(f"the engine core is not running: {self._core_failure}")
         if self._warmup is None:
             self._warmup = request
@@ -374,7 +382,7 @@ class MPClient:
         if not self._alive or self._stopping:
             return
         log.error("%s; failing %d open streams", reason, len(self._mailboxes))
-        self._alive = False
+        self._alive = self._serving = False
         self._core_failure = reason
         for mailbox in self._mailboxes.values():
             mailbox.put_nowait(SessionDone(reason="unavailable", error=reason))
@@ -404,13 +412,14 @@ class MPClient:
             self._alive = True
             self._engine_failure = None
             await self._warm_up()
+            self._serving = True
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if self._restart_task is not asyncio.current_task():
                 return  # the new core died too; a later restart has taken over
             log.exception("restarting the engine core failed")
-            self._alive = False
+            self._alive = self._serving = False
             self._core_failure = f"restarting the engine core failed: {exc}"
             self.fatal.set()
             return
