@@ -234,6 +234,72 @@ def test_without_restart_a_dead_core_stops_the_server_with_a_nonzero_exit(tiny_o
         launched.stop()
 
 
+def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tiny_orpheus: Path,
+                                                                                 tmp_path: Path) -> None:
+    """SIGTERM to every process of the server at once (Ctrl-C, a cgroup stop): the core ignores it, the API
+    process drains its streams to their end, then stops the core, and exits 0."""
+    overrides = [f"{key}={value}" for key, value in {
+        "engine.backend": "sim", "engine.model_path": tiny_orpheus, "codec.decoder": "sim",
+        "codec.path": tiny_orpheus.parent / "tiny-snac", "server.engine_process": "true",
+        "server.shutdown_grace_s": 15.0, "scheduler.admission": "slots",
+    }.items()]
+    launched = LaunchedServer(overrides, ready_timeout_s=120, log_path=tmp_path / "server.log")
+    launched.start()
+    try:
+        assert launched.process is not None
+        core_pid = launched.stats()["process"]["engine_core_pid"]
+
+        async def streams_across_sigterm() -> list[api_client.ClientResult]:
+            started = [asyncio.Event(), asyncio.Event()]
+            ws = asyncio.create_task(_ws_whole(launched.url, started[0]))
+            grpc_call = asyncio.create_task(_grpc_whole(launched.grpc_addr, started[1]))
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            for pid in (launched.process.pid, core_pid):
+                os.kill(pid, signal.SIGTERM)
+            return list(await asyncio.wait_for(asyncio.gather(ws, grpc_call), 30))
+
+        for chunks, finish_reason in asyncio.run(streams_across_sigterm()):
+            assert chunks > 5 and finish_reason in ("stop", "length")
+        assert launched.process.wait(30) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(core_pid, 0)  # gone (reaped by the server before it exited)
+    finally:
+        launched.stop()
+
+
+async def _ws_whole(base_url: str, first_audio: asyncio.Event) -> tuple[int, str]:
+    """(audio messages, finish reason) of a WebSocket request that must end normally."""
+    chunks = 0
+    async with ws_connect(api_client.stream_url(base_url), max_size=None) as ws:
+        await ws.send(json.dumps({"text": "Finish me.", "response_format": "pcm", "max_tokens": 350, "seed": 1}))
+        async for frame in ws:
+            if isinstance(frame, bytes):
+                chunks += 1
+                first_audio.set()
+                continue
+            reply = json.loads(frame)
+            assert "error" not in reply, reply
+            if reply.get("done"):
+                return chunks, reply["metrics"]["finish_reason"]
+    raise AssertionError("the WebSocket closed before the request finished")
+
+
+async def _grpc_whole(address: str, first_audio: asyncio.Event) -> tuple[int, str]:
+    """(audio messages, finish reason) of a gRPC stream that must end normally."""
+    chunks = 0
+    finish_reason = ""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SynthesizerStub(channel).Synthesize(
+            pb.SynthesizeRequest(text="Me too.", sampling=pb.SamplingOptions(max_tokens=350, seed=2)), timeout=60)
+        async for response in call:
+            if response.HasField("audio"):
+                chunks += 1
+                first_audio.set()
+            else:
+                finish_reason = response.metrics.finish_reason
+    return chunks, finish_reason
+
+
 def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
     """An engine that fails to build in the core process fails the server's start with the core's own
     traceback, at once, instead of a hang."""
