@@ -43,8 +43,10 @@ from typing import Any
 import zmq
 
 from . import engine_wire as wire
+from .codec.base import StreamingDecoder
 from .config import Config
 from .engine_client import CoreRuntime, SessionDone, SessionOutput
+from .engines.base import TokenEngine
 from .scheduler import InvalidSessionError, SchedulerFullError
 from .synthesis import ServiceUnavailableError
 
@@ -98,7 +100,8 @@ def run_engine_core(config_data: dict[str, Any], addresses: CoreAddresses, ready
 
 
 class EngineCoreProc:
-    def __init__(self, config: Config, engine: Any, decoder: Any, codec_device: str, addresses: CoreAddresses) -> None:
+    def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder, codec_device: str,
+                 addresses: CoreAddresses) -> None:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
