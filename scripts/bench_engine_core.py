@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The engine core alone: its loop period per step against the sim engine's modelled step time.
 
-    PYTHONPATH=src python scripts/bench_engine_core.py --sessions 120 192
+    PYTHONPATH=src python scripts/bench_engine_core.py --sessions 120 192 [--unpaced]
 
 No sockets, no API process, no event loop: `engine_client.CoreRuntime` (the scheduler,
 the engine core thread and the codec worker, what both process modes run) with the sim
@@ -31,10 +31,12 @@ from orpheus_serve.step import SamplingParams
 PROMPT = tuple(range(128000, 128040))  # 40 prompt tokens, as the sim benchmark's
 
 
-def measure(sessions: int, warm_s: float, measure_s: float) -> dict[str, float]:
+def measure(sessions: int, warm_s: float, measure_s: float, *, unpaced: bool) -> dict[str, float]:
+    # unpaced: client buffers without bound, so every session decodes in every step (the largest batches).
+    pacing = ["scheduler.max_client_buffer_s=100000", "scheduler.max_server_buffer_s=100000"] if unpaced else []
     config = load_config(overrides=[
         *sim_overrides(h100_fp8_cost(), slots=max(sessions, 1), frames=100_000, max_batch=4096),
-        "scheduler.admission=slots", "engine.max_seq_len=100000",
+        "scheduler.admission=slots", "engine.max_seq_len=100000", *pacing,
     ], env={})
     taken: list[tuple[str, int]] = []
     taken_lock = threading.Lock()
@@ -84,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, nargs="+", default=[120, 192])
     ap.add_argument("--warm-s", type=float, default=3.0)
     ap.add_argument("--measure-s", type=float, default=5.0)
+    ap.add_argument("--unpaced", action="store_true", help="no flow-control pacing: every session in every step")
     args = ap.parse_args(argv)
     sys.setswitchinterval(load_config(env={}).server.switch_interval_ms / 1000.0)
     print("sessions  steps  loop ms  model ms  engine call ms  loop over model  CPU us/token")
     for n in args.sessions:
-        r = measure(n, args.warm_s, args.measure_s)
+        r = measure(n, args.warm_s, args.measure_s, unpaced=args.unpaced)
         print(f"{r['sessions']:>8}  {r['steps']:>5}  {r['loop_ms']:>7.3f}  {r['model_ms']:>8.3f}  "
               f"{r['step_call_ms']:>14.3f}  {r['over']:>15.1%}  {r['cpu_us_per_token']:>12.1f}")
     return 0
