@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,21 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import zmq
 from websockets.asyncio.client import connect as ws_connect
 
 from orpheus_serve import engine_wire as wire
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.config import ConfigError, load_config
 from orpheus_serve.engine_client import SessionDone
+from orpheus_serve.engine_proc import CALL_SHUTDOWN, CoreAddresses, EngineCoreProc
+from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import SessionRequest
-from orpheus_serve.step import SEED_MAX, SamplingParams
+from orpheus_serve.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
 
 SPLIT = {"server.engine_process": True}
@@ -44,6 +49,84 @@ def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
     done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
     for item in (pcm, done):
         assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
+
+
+class DyingSimEngine:
+    """The sim engine, and a switch after which every step says the runtime is dead (as TensorRT-LLM's does)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self.num_slots = engine.num_slots
+        self.max_seq_len = engine.max_seq_len
+        self.failing = False
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        if self.failing:
+            raise EngineDeadError("executor worker exited with code 134")
+        return self.engine.step(plan)
+
+    def memory_report(self) -> Any:
+        return self.engine.memory_report()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_orpheus: Path, tmp_path: Path) -> None:
+    """EngineCoreProc on a thread here, spoken to as an API process does: admission answers, audio to the
+    submitting API process, and once the engine dies, a notice to every API process and refusals."""
+    config = sim_config(tiny_orpheus, **SPLIT)
+    engine = DyingSimEngine(SimEngine.from_config(config))
+    addresses = CoreAddresses(input=f"ipc://{tmp_path}/in", outputs=(f"ipc://{tmp_path}/out-0",))
+    ctx = zmq.Context()
+    outputs = ctx.socket(zmq.PULL)
+    outputs.bind(addresses.outputs[0])
+    calls = ctx.socket(zmq.DEALER)
+    calls.connect(addresses.input)
+    core = EngineCoreProc(config, engine, SimDecoder(), "cpu", addresses)
+    runner = threading.Thread(target=core.run, daemon=True)
+    runner.start()
+    seq = iter(range(1, 100))
+
+    def call(kind: int, *args: Any) -> list[Any]:
+        number = next(seq)
+        calls.send(wire.pack([kind, number, *args]))
+        assert calls.poll(10_000), "no answer from the core"
+        reply = wire.unpack(calls.recv())
+        assert reply[0] == number
+        return reply[1:]
+
+    def next_outputs() -> list[tuple[str, Any]]:
+        assert outputs.poll(10_000), "no output from the core"
+        return [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+
+    def request(request_id: str) -> list[Any]:
+        return wire.encode_request(SessionRequest(request_id, (128259, 128000, 42, 128257),
+                                                  SamplingParams(max_tokens=700, seed=1), time.monotonic()))
+
+    try:
+        assert call(wire.CALL_SUBMIT, 0, request("a")) == [wire.OK]
+        assert call(wire.CALL_SUBMIT, 0, request("a"))[:1] == [wire.INVALID]  # the id is in use
+        pcm = b""
+        while not pcm:
+            pcm = b"".join(item for session, item in next_outputs() if session == "a" and isinstance(item, bytes))
+        engine.failing = True
+        seen: dict[str, SessionDone] = {}
+        while "" not in seen or "a" not in seen:
+            seen.update((session, item) for session, item in next_outputs() if isinstance(item, SessionDone))
+        assert seen["a"].reason == "error" and "code 134" in (seen["a"].error or "")
+        assert seen[""].reason == "engine_dead" and "code 134" in (seen[""].error or "")
+        status, message, _ = call(wire.CALL_SUBMIT, 0, request("b"))
+        assert status == wire.UNAVAILABLE and "code 134" in message
+        stats = wire.decode_stats(call(wire.CALL_STATS)[1])
+        assert stats.engine_alive is False and stats.core_cpu_s > 0
+        assert call(CALL_SHUTDOWN) == [wire.OK]
+        runner.join(10)
+        assert not runner.is_alive()
+    finally:
+        calls.close(0)
+        outputs.close(0)
+        ctx.term()
 
 
 def test_more_than_one_api_process_is_refused_at_start_up() -> None:
@@ -148,8 +231,10 @@ async def _grpc_until_error(address: str, first_audio: asyncio.Event) -> tuple[i
 
 
 def test_killing_the_core_mid_stream_fails_every_stream_and_the_core_comes_back(tiny_orpheus: Path) -> None:
-    # Streams of 300 frames (25 s of audio, paced in real time): well under way when the core dies.
-    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.end_after_frames": 300}))
+    # Streams of 300 frames (25 s of audio, paced in real time): well under way when the core dies. All three
+    # admitted by slots: on a busy machine the measured capacity could queue one behind the others.
+    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.end_after_frames": 300,
+                                                              "scheduler.admission": "slots"}))
     base = server.base_url
     try:
         old_pid = _core_pid(server)
@@ -158,7 +243,12 @@ def test_killing_the_core_mid_stream_fails_every_stream_and_the_core_comes_back(
             started = [asyncio.Event() for _ in range(3)]
             streams = asyncio.gather(_sse_until_error(base, started[0]), _ws_until_error(base, started[1]),
                                      _grpc_until_error(server.grpc_address, started[2]))
-            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+            try:
+                await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            except asyncio.TimeoutError:
+                streams.cancel()
+                raise AssertionError(f"first audio (SSE, WebSocket, gRPC): {[e.is_set() for e in started]}; "
+                                     f"server: {stats(server)['scheduler']}") from None
             os.kill(old_pid, signal.SIGKILL)
             killed_at = time.monotonic()
             sse, ws, grpc_result = await asyncio.wait_for(streams, 30)

@@ -268,11 +268,14 @@ class InprocClient:
         self._runtime.shutdown()
 
     def submit(self, request: SessionRequest) -> None:
-        self._mailboxes[request.request_id] = asyncio.Queue()
+        fresh = request.request_id not in self._mailboxes  # else the scheduler refuses it: the id is in use
+        if fresh:
+            self._mailboxes[request.request_id] = asyncio.Queue()
         try:
             self._runtime.submit(request)
         except BaseException:
-            del self._mailboxes[request.request_id]
+            if fresh:
+                del self._mailboxes[request.request_id]
             raise
 
     def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]:

@@ -187,6 +187,7 @@ class EngineCoreProc:
     def _submit(self, api: int, fields: list[Any]) -> list[Any]:
         request = wire.decode_request(fields)
         with self._cond:  # owner first: the engine core thread may post its first output before submit returns
+            previous = self._owner.get(request.request_id)
             self._owner[request.request_id] = api
         try:
             self._runtime.submit(request)
@@ -198,9 +199,11 @@ class EngineCoreProc:
             refusal = [wire.UNAVAILABLE, str(exc), None]
         else:
             return [wire.OK]
-        with self._cond:
-            if self._owner.get(request.request_id) == api:
+        with self._cond:  # refused: a live session of the same id (InvalidSessionError) keeps its owner
+            if previous is None:
                 del self._owner[request.request_id]
+            else:
+                self._owner[request.request_id] = previous
         return refusal
 
     def _reply(self, identity: bytes, message: list[Any]) -> None:
