@@ -17,3 +17,9 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
 fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest "$@"
+if [ "$#" -eq 0 ]; then
+  # The gateway tests again against servers whose engine core runs in a process of its own
+  # (server.engine_process; about two minutes).
+  ORPHEUS_ENGINE_PROCESS=1 .venv/bin/python -m pytest tests/test_gateway_e2e.py tests/test_gateway_limits.py \
+    tests/test_gateway_units.py tests/test_slow_readers.py
+fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -13,6 +14,11 @@ import httpx
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.config import Config, load_config
 
+# ORPHEUS_ENGINE_PROCESS=1: every test server built from config runs its engine core in a process of its own
+# (server.engine_process), so the same tests check the split; servers built around a service object a test
+# made itself (fault-injecting engines, token logs) stay in one process.
+ENGINE_PROCESS = os.environ.get("ORPHEUS_ENGINE_PROCESS", "") == "1"
+
 # Every gateway test server: loopback only, ephemeral ports, short drain.
 _SERVER = {
     "server.host": "127.0.0.1",
@@ -20,6 +26,7 @@ _SERVER = {
     "server.grpc_port": 0,
     "server.shutdown_grace_s": 2.0,
     "server.log_level": "warning",
+    "server.engine_process": ENGINE_PROCESS,
 }
 
 

@@ -25,7 +25,7 @@ from orpheus_serve.api.server import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
-from tests.gateway_support import check_openai_error, sim_config, start_server, wait_for
+from tests.gateway_support import ENGINE_PROCESS, check_openai_error, sim_config, start_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["key-one", "key-two"]
@@ -241,7 +241,7 @@ def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(ti
          "0", "--set", "engine.backend=sim", "--set", "codec.decoder=sim", "--set",
          f"engine.model_path={tiny_orpheus}", "--set", f"server.shutdown_grace_s={grace_s}",
          # Both streams admitted at once (by slots), not one after the other while capacity is measured.
-         "--set", "scheduler.admission=slots"],
+         "--set", "scheduler.admission=slots", "--set", f"server.engine_process={ENGINE_PROCESS}"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     try:
         lines = _read_until(process, "ready to serve", 90)

@@ -33,6 +33,7 @@ from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+from tests.gateway_support import ENGINE_PROCESS
 
 NORMAL = 8
 SLOW = 20  # read 1 KB/s
@@ -53,7 +54,7 @@ def _overrides(tiny_orpheus: Path) -> list[str]:
         f"codec.path={tiny_orpheus.parent / 'tiny-snac'}", "engine.sim.step_base_ms=4.0",
         "scheduler.max_concurrent_sessions=64", "scheduler.max_batch_size=64", "scheduler.max_queue=64",
         "sampling.max_tokens=2800", f"server.stalled_client_timeout_s={STALL_TIMEOUT_S}",
-        "server.max_connections=256", "server.log_level=warning",
+        "server.max_connections=256", "server.log_level=warning", f"server.engine_process={ENGINE_PROCESS}",
     ]
 
 

@@ -11,11 +11,16 @@ service talks to the engine core only through `EngineCoreClient`:
     stats()                       typed figures: EngineCoreStats
 
 What crosses the seam is plain data (the request dataclass, PCM bytes, a
-`SessionDone` record, a stats dataclass), so an engine core in another
-process is a second implementation of this protocol, not a rewrite.
+`SessionDone` record, a stats dataclass), so the engine core can run in this
+process or in another one behind the same protocol:
 
-`InprocClient` runs the engine core and the codec worker as threads of this
-process:
+    CoreRuntime   the scheduler, the engine core thread and the codec worker thread, wired
+                  together; outputs leave through one `post(session_id, item)` callback
+    InprocClient  CoreRuntime as threads of this process (server.engine_process: false)
+    MPClient      CoreRuntime in an engine-core process of its own, over ZeroMQ with msgpack
+                  messages (mp_client.py, engine_proc.py, engine_wire.py; server.engine_process: true)
+
+In-process:
 
     engine core thread: schedule -> engine.step -> update
        FramesReady ──────────────▶ codec worker thread (batched SNAC decode)
@@ -26,7 +31,8 @@ process:
 Items from both threads reach the loop in batches: one wake-up per batch of
 codec results instead of one per result. The mailboxes stay bounded because
 the scheduler holds back sessions whose client has not taken their audio
-(`max_server_buffer_s` plus one push).
+(`max_server_buffer_s` plus one push). In the engine-core process the same
+posts go to an output thread that sends one message per batch instead.
 """
 
 from __future__ import annotations
@@ -86,6 +92,13 @@ class EngineCoreStats:
     steps: int
     step_errors: int
     busy_s: float
+    engine_elapsed_s: float  # the engine's own account of its steps (the sim engine: modelled time)
+    loop_s: float  # engine-core loop periods that ran a step (busy_s plus scheduling and dispatch)
+    # CPU seconds of the engine-core process (all its threads) when it runs apart; 0.0 in-process, where
+    # the server's own process time already counts it.
+    core_cpu_s: float = 0.0
+    core_pid: int | None = None  # the engine-core process, when it runs apart
+    core_restarts: int = 0  # times it was started again after it died
 
 
 class EngineCoreClient(Protocol):
@@ -121,15 +134,23 @@ def pcm16(samples: np.ndarray) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
-class InprocClient:
-    """The engine core and codec worker as threads of this process (see the module docstring)."""
+class CoreRuntime:
+    """The scheduler, the engine core thread and the codec worker thread, wired together.
 
-    def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder, *, codec_device: str = "cpu",
+    Outputs leave through `post(session_id, item)`, called on the engine core
+    thread (SessionDone of generation) and on the codec thread (PCM, the codec's
+    SessionDone). Both clients run exactly this: `InprocClient` posts to the
+    asyncio loop of this process, the engine-core process (engine_proc.py)
+    posts to the ZeroMQ sockets of its API processes."""
+
+    def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder,
+                 post: Callable[[str, SessionOutput], None], *, codec_device: str = "cpu",
                  on_frames: Callable[[FramesReady], None] | None = None,
                  on_event: Callable[[SchedulerEvent], None] | None = None) -> None:
-        self._engine = engine
+        self.engine = engine
+        self._post = post
         lookahead = audible_lookahead(decoder)
-        self._scheduler = Scheduler(
+        self.scheduler = Scheduler(
             config.scheduler, engine.num_slots, lookahead_frames=lookahead, max_seq_len=engine.max_seq_len,
             lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * protocol.SAMPLES_PER_FRAME),
             delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
@@ -140,64 +161,49 @@ class InprocClient:
             max_frames_per_pass=config.codec.max_frames_per_pass,
             max_frames_per_session=config.codec.max_frames_per_session,
             max_pass_s=config.codec.max_pass_ms / 1000,
-            held_audio_s=self._scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
+            held_audio_s=self.scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
         )
         self._tap = on_event  # optional tap (token logs for tooling), on the engine core thread
-        self._core = EngineCore(self._scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: list[tuple[str, SessionOutput]] = []
-        self._inbox_lock = threading.Lock()
-        self._drain_scheduled = False
-        self._mailboxes: dict[str, asyncio.Queue[SessionOutput]] = {}
-
-    # ------------------------------------------------------------ the protocol
+        self._core = EngineCore(self.scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames)
 
     @property
     def engine_alive(self) -> bool:
         return self._core.engine_alive
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    @property
+    def engine_failure(self) -> str | None:
+        return self._core.engine_failure
+
+    def start(self) -> None:
         self._codec.start()
         self._core.start()
 
     def shutdown(self) -> None:
         self._core.stop()
         self._codec.stop(5.0)
-        self._engine.close()
+        self.engine.close()
 
     def submit(self, request: SessionRequest) -> None:
-        self._mailboxes[request.request_id] = asyncio.Queue()
-        try:
-            self._core.submit(request)
-        except BaseException:
-            del self._mailboxes[request.request_id]
-            raise
-
-    def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]:
-        return self._mailboxes[session_id]
+        self._core.submit(request)
 
     def note_delivered(self, session_id: str, samples: int) -> None:
-        self._scheduler.note_delivered(session_id, samples)
+        self.scheduler.note_delivered(session_id, samples)
+
+    def wake(self) -> None:
         self._core.wake()
 
     def cancel(self, session_id: str) -> None:
         self._core.cancel(session_id, "cancelled")
 
-    def release(self, session_id: str) -> None:
-        self._mailboxes.pop(session_id, None)
-
-    def open_sessions(self) -> list[str]:
-        return list(self._mailboxes)
-
-    def stats(self) -> EngineCoreStats:
+    def stats(self, *, core_cpu_s: float = 0.0) -> EngineCoreStats:
         backlog_frames, oldest_s = self._codec.backlog()
         return EngineCoreStats(
-            scheduler=self._core.scheduler_stats(), flow=self._scheduler.flow_stats(), codec=self._codec.stats(),
+            scheduler=self._core.scheduler_stats(), flow=self.scheduler.flow_stats(), codec=self._codec.stats(),
             codec_backlog_frames=backlog_frames, codec_oldest_pending_s=oldest_s,
-            memory=self._engine.memory_report(), engine_alive=self._core.engine_alive,
+            memory=self.engine.memory_report(), engine_alive=self._core.engine_alive,
             engine_failure=self._core.engine_failure, steps=self._core.steps, step_errors=self._core.step_errors,
-            busy_s=self._core.busy_s,
+            busy_s=self._core.busy_s, engine_elapsed_s=self._core.engine_elapsed_s, loop_s=self._core.loop_s,
+            core_cpu_s=core_cpu_s,
         )
 
     # ------------------------------------------- from the engine core and codec threads
@@ -217,14 +223,14 @@ class InprocClient:
 
     def _on_codec_pass(self, frames: int, seconds: float) -> None:
         """After each pass: measure it, and let held-back sessions go on."""
-        self._scheduler.record_codec_pass(frames, seconds)
+        self.scheduler.record_codec_pass(frames, seconds)
         self._core.wake()
 
     def _on_codec_result(self, result: CodecResult) -> None:
-        """Converts to PCM here, off the loop."""
+        """Converts to PCM here, on the codec thread."""
         key = str(result.key)
-        self._scheduler.note_decoded(key, result.frames, int(result.pcm.size),
-                                     final=result.final or result.error is not None)
+        self.scheduler.note_decoded(key, result.frames, int(result.pcm.size),
+                                    final=result.final or result.error is not None)
         if result.error:
             self._post(key, SessionDone(reason="error", error=f"codec error: {result.error}"))
             return
@@ -232,6 +238,66 @@ class InprocClient:
             self._post(key, pcm16(result.pcm))
         if result.final:
             self._post(key, SessionDone(reason="audio"))
+
+
+class InprocClient:
+    """The engine core and codec worker as threads of this process (see the module docstring)."""
+
+    def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder, *, codec_device: str = "cpu",
+                 on_frames: Callable[[FramesReady], None] | None = None,
+                 on_event: Callable[[SchedulerEvent], None] | None = None) -> None:
+        self._runtime = CoreRuntime(config, engine, decoder, self._post, codec_device=codec_device,
+                                    on_frames=on_frames, on_event=on_event)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: list[tuple[str, SessionOutput]] = []
+        self._inbox_lock = threading.Lock()
+        self._drain_scheduled = False
+        self._mailboxes: dict[str, asyncio.Queue[SessionOutput]] = {}
+
+    # ------------------------------------------------------------ the protocol
+
+    @property
+    def engine_alive(self) -> bool:
+        return self._runtime.engine_alive
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._runtime.start()
+
+    def shutdown(self) -> None:
+        self._runtime.shutdown()
+
+    def submit(self, request: SessionRequest) -> None:
+        fresh = request.request_id not in self._mailboxes  # else the scheduler refuses it: the id is in use
+        if fresh:
+            self._mailboxes[request.request_id] = asyncio.Queue()
+        try:
+            self._runtime.submit(request)
+        except BaseException:
+            if fresh:
+                del self._mailboxes[request.request_id]
+            raise
+
+    def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]:
+        return self._mailboxes[session_id]
+
+    def note_delivered(self, session_id: str, samples: int) -> None:
+        self._runtime.note_delivered(session_id, samples)
+        self._runtime.wake()
+
+    def cancel(self, session_id: str) -> None:
+        self._runtime.cancel(session_id)
+
+    def release(self, session_id: str) -> None:
+        self._mailboxes.pop(session_id, None)
+
+    def open_sessions(self) -> list[str]:
+        return list(self._mailboxes)
+
+    def stats(self) -> EngineCoreStats:
+        return self._runtime.stats()
+
+    # ------------------------------------------- from the engine core and codec threads
 
     def _post(self, key: str, item: SessionOutput) -> None:
         loop = self._loop

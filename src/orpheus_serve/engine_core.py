@@ -1,5 +1,10 @@
 """The engine core: one thread that drives the token engine.
 
+It runs in the server's process (engine_client.InprocClient) or in an
+engine-core process of its own (engine_proc.py, `server.engine_process`);
+either way `engine_client.CoreRuntime` wires it to the scheduler and the
+codec worker, and it never touches a socket.
+
     loop:
         plan = scheduler.schedule()          # pure bookkeeping
         out = engine.step(plan)              # the model runs here
@@ -7,7 +12,8 @@
         FramesReady      -> codec worker (batched SNAC decode on its own thread)
         other events     -> on_event (the service hops them onto its asyncio loop)
 
-`submit` and `cancel` come from the asyncio thread; the scheduler's own lock
+`submit` and `cancel` come from the asyncio thread (or, in the engine-core
+process, from its input thread); the scheduler's own lock
 makes that safe. When there is no work the thread waits on a condition that
 `submit`/`cancel`/`stop`/`wake` notify (after changing the scheduler, so no
 wake-up is lost); it never polls. While sessions exist but none can step
@@ -95,7 +101,9 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_errors = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # wall time inside engine.step
+        self.engine_elapsed_s = 0.0  # what the engine says its steps took (the sim engine: its cost model)
+        self.loop_s = 0.0  # whole loop periods that ran a step: schedule -> step -> update -> dispatch
         self.engine_failure: str | None = None  # set when the engine is declared dead
         self._lone_failures = 0  # sessions failed alone since the engine last ran anything successfully
 
@@ -169,9 +177,12 @@ class EngineCore:
             t0 = time.perf_counter()
             output = self._step(plan)
             self.busy_s += time.perf_counter() - t0
+            self.engine_elapsed_s += output.elapsed_s
             self.steps += 1
             self._dispatch(self._scheduler.update(plan, output))
-            self._scheduler.record_step_time(plan, time.perf_counter() - period_start)
+            period = time.perf_counter() - period_start
+            self.loop_s += period
+            self._scheduler.record_step_time(plan, period)
 
     def _step(self, plan: StepPlan) -> StepOutput:
         if self.engine_failure is not None:

@@ -45,6 +45,7 @@ from .synthesis import (
     AudioChunk,
     ChunkTimings,
     EngineFailureError,
+    EngineUnavailableError,
     InvalidRequestError,
     ModelInfo,
     QueueFullError,
@@ -127,6 +128,10 @@ class TTSService:
 
     def add_observer(self, observer: ServiceObserver) -> None:
         self._observers.append(observer)
+
+    @property
+    def client(self) -> EngineCoreClient:
+        return self._client
 
     @property
     def engine_alive(self) -> bool:
@@ -223,7 +228,7 @@ class TTSService:
                             yield chunk
                             continue
                         # a SessionDone: generation finished, the codec's last audio is out, or the stream failed
-                        if item.error is not None or item.reason in ("error", "timeout", "cancelled"):
+                        if item.error is not None or item.reason in ("error", "timeout", "cancelled", "unavailable"):
                             metrics.finish_reason = "error" if item.error is not None else item.reason
                             self._raise_for(item)
                         if item.reason == "audio":
@@ -329,6 +334,8 @@ class TTSService:
             raise SynthesisTimeoutError("the request timed out (waiting for a slot or generating)")
         if done.reason == "cancelled":
             raise ServiceUnavailableError("the request was cancelled by the server (shutting down)")
+        if done.reason == "unavailable":  # the engine-core process died under the stream
+            raise EngineUnavailableError(done.error or "the engine core is unavailable")
         raise EngineFailureError(done.error or "generation failed")
 
     def _notify(self, method: str, *args: Any) -> None:

@@ -1,4 +1,5 @@
-"""Wiring: a `TTSService` from config (tokenizer, engine, codec, the in-process engine-core client).
+"""Wiring: a `TTSService` from config (tokenizer, engine, codec, and the engine-core client: in-process,
+or `MPClient` with the engine core in a process of its own when `server.engine_process` is set).
 
 `build_service(config)` is what the server and the tools call; `assemble_service`
 takes an engine and decoder already built (tests, tools with their own engine).
@@ -7,6 +8,7 @@ takes an engine and decoder already built (tests, tools with their own engine).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +52,20 @@ def assemble_service(config: Config, *, engine: TokenEngine, decoder: StreamingD
                       max_seq_len=engine.max_seq_len, token_log=token_log)
 
 
-def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
-    """Build tokenizer, engine and codec from config, falling back to the tiny models if needed."""
-    from .codec import build_decoder, load_snac
-    from .codec.sim import SimDecoder
-    from .config import apply_engine_mode, resolve_device, resolve_dtype
-    from .engines.factory import check_backend, create_engine
+@dataclass(frozen=True, slots=True)
+class ResolvedModels:
+    """The config with its model paths resolved (tiny fallback applied), and what is served."""
+
+    config: Config
+    info: ModelInfo
+    tokenizer_path: str
+
+
+def resolve_models(config: Config) -> ResolvedModels:
+    """Engine mode applied, backend checked, model paths resolved (the tiny models if the real ones are
+    missing, said loudly). Cheap: loads nothing."""
+    from .config import apply_engine_mode
+    from .engines.factory import check_backend
     from .models import resolve_model_paths
 
     config = apply_engine_mode(config)
@@ -66,24 +76,8 @@ def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
         log.warning(paths.warning)
         log.warning("!" * 72)
     engine_cfg = config.engine.model_copy(update={"model_path": str(paths.model_path)})
-    config = config.model_copy(update={"engine": engine_cfg})
-    tokenizer = load_tokenizer(paths.tokenizer_path)
-    engine = create_engine(config)
-    codec_device = resolve_device(config.codec.device)
-    if config.codec.decoder == "sim":
-        sim = config.codec.sim
-        decoder: StreamingDecoder = SimDecoder(base_ms=sim.base_ms, per_frame_ms=sim.per_frame_ms,
-                                               realtime=sim.realtime)
-    else:
-        snac = load_snac(
-            str(paths.codec_path),
-            device=codec_device,
-            dtype=resolve_dtype(config.codec.dtype, codec_device, cuda_default="fp16"),
-            noise=config.codec.noise,
-            seed=config.codec.seed,
-            compile=config.codec.compile,
-        )
-        decoder = build_decoder(config.codec, snac)
+    codec_cfg = config.codec.model_copy(update={"path": str(paths.codec_path)})
+    config = config.model_copy(update={"engine": engine_cfg, "codec": codec_cfg})
     info = ModelInfo(
         id="orpheus-tiny" if paths.tiny else Path(paths.model_path).name,
         backend=config.engine.backend,
@@ -92,7 +86,56 @@ def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
         tiny=paths.tiny,
         warning=paths.warning,
     )
-    return assemble_service(config, engine=engine, decoder=decoder, tokenizer=tokenizer, model_info=info,
+    return ResolvedModels(config=config, info=info, tokenizer_path=str(paths.tokenizer_path))
+
+
+def build_engine_and_decoder(config: Config) -> tuple[TokenEngine, StreamingDecoder, str]:
+    """Engine, decoder and the codec's device from a config whose model paths are resolved
+    (`resolve_models`). Runs where the engine core runs: this process, or the engine-core process."""
+    from .codec import build_decoder, load_snac
+    from .codec.sim import SimDecoder
+    from .config import resolve_device, resolve_dtype
+    from .engines.factory import create_engine
+
+    engine = create_engine(config)
+    codec_device = resolve_device(config.codec.device)
+    if config.codec.decoder == "sim":
+        sim = config.codec.sim
+        decoder: StreamingDecoder = SimDecoder(base_ms=sim.base_ms, per_frame_ms=sim.per_frame_ms,
+                                               realtime=sim.realtime)
+    else:
+        snac = load_snac(
+            config.codec.path,
+            device=codec_device,
+            dtype=resolve_dtype(config.codec.dtype, codec_device, cuda_default="fp16"),
+            noise=config.codec.noise,
+            seed=config.codec.seed,
+            compile=config.codec.compile,
+        )
+        decoder = build_decoder(config.codec, snac)
+    return engine, decoder, codec_device
+
+
+def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
+    """Build tokenizer, engine and codec from config, falling back to the tiny models if needed.
+
+    With `server.engine_process` the engine and codec are built in the engine-core process
+    (`MPClient` starts it and waits until it is built); this process loads only the tokenizer."""
+    resolved = resolve_models(config)
+    config = resolved.config
+    tokenizer = load_tokenizer(resolved.tokenizer_path)
+    if config.server.engine_process and record_tokens:
+        # The token log taps the engine core's threads; tooling that asks for it gets them in this process.
+        log.info("recording tokens: the engine core runs in this process (server.engine_process ignored)")
+    elif config.server.engine_process:
+        from .mp_client import MPClient
+
+        client = MPClient(config)
+        core = client.launch()
+        return TTSService(config, client=client, tokenizer=tokenizer, model_info=resolved.info,
+                          max_seq_len=core.max_seq_len)
+    engine, decoder, codec_device = build_engine_and_decoder(config)
+    return assemble_service(config, engine=engine, decoder=decoder, tokenizer=tokenizer, model_info=resolved.info,
                             codec_device=codec_device, record_tokens=record_tokens)
 
 

@@ -141,11 +141,15 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "steps": core.steps,
             "step_errors": core.step_errors,
             "busy_s": round(core.busy_s, 3),
+            "engine_elapsed_s": round(core.engine_elapsed_s, 3),
+            "loop_s": round(core.loop_s, 3),
         },
         "codec": core.codec,
         "flow": flow_stats(snapshot),
         "requests": tally.as_dict(),
-        "process": {"cpu_s": round(cpu_s, 3)},  # all threads; for CPU cost per audio second
+        # All threads; with the engine core in its own process, `cpu_s` adds its CPU time to this process's.
+        "process": {"cpu_s": round(cpu_s + core.core_cpu_s, 3), "engine_core_cpu_s": round(core.core_cpu_s, 3),
+                    "engine_core_pid": core.core_pid, "engine_core_restarts": core.core_restarts},
         "throughput": {
             "uptime_s": round(uptime, 3),
             "audio_seconds_total": round(tally.audio_seconds, 3),

@@ -164,6 +164,13 @@ class EngineFailureError(SynthesisError):
     code = "engine_error"
 
 
+class EngineUnavailableError(EngineFailureError, ServiceUnavailableError):
+    """The engine core went away under a running stream (its process died): 503 / UNAVAILABLE, counted as a
+    failed request. The server restarts the core (server.restart_core); a retry may succeed."""
+
+    code = "engine_unavailable"
+
+
 class ClientStalledError(SynthesisError):
     """The client took no audio for server.stalled_client_timeout_s: its session is cancelled and the
     connection closed (408 / DEADLINE_EXCEEDED, if the client reads on at all)."""

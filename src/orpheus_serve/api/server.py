@@ -1,5 +1,8 @@
 """One process, one asyncio loop: uvicorn (HTTP + WebSocket) and grpc.aio in front of one TTSService.
 
+With `server.engine_process` the service's engine core runs in a process of its own, which this
+one starts and supervises (mp_client.py); if it dies for good the server stops with exit code 1.
+
 Start-up order: bind both ports (so /health answers and /ready says
 `warming_up` at once), then `service.start()` warms the model, then /ready and
 the gRPC health service turn to serving. Shutdown (SIGTERM/SIGINT in
@@ -95,6 +98,7 @@ class OrpheusServer:
         self._uvicorn_task: asyncio.Task[None] | None = None
         self._grpc: GrpcGateway | None = None
         self._shutdown: asyncio.Task[None] | None = None
+        self.exit_code = 0  # 1 when the server stopped because its engine core died for good
 
     @property
     def host(self) -> str:
@@ -207,9 +211,21 @@ class OrpheusServer:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        # An engine core in its own process that died and is not restarted (server.restart_core: false).
+        fatal: asyncio.Event | None = getattr(self.service.client, "fatal", None)
         try:
             async with self:
-                await stop.wait()
+                waits = [asyncio.ensure_future(stop.wait())]
+                if fatal is not None:
+                    waits.append(asyncio.ensure_future(fatal.wait()))
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits:
+                        waiting.cancel()
+                if fatal is not None and fatal.is_set():
+                    log.critical("the engine core is gone and is not restarted; stopping with exit code 1")
+                    self.exit_code = 1
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -221,8 +237,9 @@ def run_server(config: Config) -> int:
     # times per decode step; Python's default 5 ms switch interval would add up to that much
     # to every step a thread waits for. A process-wide setting, so it is made here, once.
     sys.setswitchinterval(config.server.switch_interval_ms / 1000.0)
-    asyncio.run(OrpheusServer(config).serve_until_signalled())
-    return 0
+    server = OrpheusServer(config)
+    asyncio.run(server.serve_until_signalled())
+    return server.exit_code
 
 
 class ServerThread:

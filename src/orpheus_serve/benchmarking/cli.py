@@ -224,7 +224,9 @@ def print_row(title: str, row: dict[str, Any]) -> None:
           f"ttfb p50/p95={row['ttfb_p50_ms']}/{row['ttfb_p95_ms']} ms  rtf={row['rtf_mean']}  "
           f"underrun streams={row['underrun_streams']}  realtime={row['realtime_streams']}"
           f" ({'-' if share is None else f'{share:.1%}'} of started)  playing at once={row['concurrent_peak']}  "
-          f"audio s/s={row['audio_seconds_per_second']}  cpu s/audio s={row['server_cpu_s_per_audio_s']}",
+          f"audio s/s={row['audio_seconds_per_second']}  cpu s/audio s={row['server_cpu_s_per_audio_s']}  "
+          f"cpu us/token core/api={row.get('core_cpu_us_per_token')}/{row.get('api_cpu_us_per_token')}  "
+          f"step loop/engine ms={row.get('loop_ms_per_step')}/{row.get('engine_ms_per_step')}",
           flush=True)
 
 

@@ -124,6 +124,7 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     if spec.input_tokens_per_s is not None:
         row["input_tokens_per_s"] = spec.input_tokens_per_s
         row.update(input_stream_summary(results))
+    row.update(plumbing_cost(before, after))
     return row
 
 
@@ -148,6 +149,31 @@ def input_stream_summary(results: Sequence[Any]) -> dict[str, Any]:
         "first_audio_before_last_word": early,
         "input_streams": len(ok),
     }
+
+
+def plumbing_cost(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Between two /v1/stats snapshots: CPU per generated token in the engine-core process and in the API
+    process (the core's share is 0 when it runs in the server's process), and the engine core's mean
+    loop period per step against what the engine says its steps took (the sim engine: its cost model)."""
+    tokens = after["total_tokens"] - before["total_tokens"]
+    core_cpu = after["process"].get("engine_core_cpu_s", 0.0) - before["process"].get("engine_core_cpu_s", 0.0)
+    api_cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"] - core_cpu
+    engine_a, engine_b = before["engine"], after["engine"]
+    steps = engine_b["steps"] - engine_a["steps"]
+    out: dict[str, Any] = {
+        "core_cpu_us_per_token": round(1e6 * core_cpu / tokens, 1) if tokens else None,
+        "api_cpu_us_per_token": round(1e6 * api_cpu / tokens, 1) if tokens else None,
+        "steps": steps, "loop_ms_per_step": None, "step_call_ms_per_step": None, "engine_ms_per_step": None,
+        "loop_over_engine": None,
+    }
+    if steps and "loop_s" in engine_b:
+        loop = (engine_b["loop_s"] - engine_a["loop_s"]) / steps
+        engine = (engine_b["engine_elapsed_s"] - engine_a["engine_elapsed_s"]) / steps
+        out["loop_ms_per_step"] = round(1000 * loop, 3)
+        out["step_call_ms_per_step"] = round(1000 * (engine_b["busy_s"] - engine_a["busy_s"]) / steps, 3)
+        out["engine_ms_per_step"] = round(1000 * engine, 3)
+        out["loop_over_engine"] = round(loop / engine, 4) if engine > 0 else None
+    return out
 
 
 # ------------------------------------------------------------------- modes

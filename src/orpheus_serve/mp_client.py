@@ -1,0 +1,453 @@
+"""`MPClient`: the engine-core client for an engine core in a process of its own (vLLM v1's MPClient).
+
+    API process (asyncio loop)                         engine-core process (engine_proc.py)
+    submit / stats  ── DEALER, answered at once ──▶    ROUTER: scheduler.submit, stats snapshot
+    delivered, cancel, release ── batched, one message per loop pass ──▶
+    output handler task ◀── PULL ─── one msgpack batch of outputs per wake-up ─── PUSH
+        └─▶ per-session asyncio.Queue (what `outputs()` returns, as in-process)
+
+Messages are msgpack (engine_wire.py): ids, numbers and PCM bytes, nothing pickled.
+
+Admission stays synchronous, as in-process: `submit()` sends the request and
+waits for the core's answer (admitted, or the scheduler's own refusal:
+SchedulerFullError with its retry hint, InvalidSessionError, or
+ServiceUnavailableError once the engine is dead), at most
+`server.core_call_timeout_s`. The core answers from its input thread at once
+(the scheduler lock is held only for bookkeeping), so the loop waits one round
+trip, tens of microseconds; a submit is once per text chunk, not per token.
+The same holds for `stats()`. Delivery notes, cancels and releases are
+fire-and-forget and batched: everything one loop pass produced goes in one
+message, before the next submit or stats call (so a cancel always reaches the
+core before a later submit).
+
+Lifecycle. `launch()` spawns the core (multiprocessing spawn context), which
+builds the engine and decoder and reports ready, or why it failed. The loop
+watches the process's sentinel. A core that leaves a call unanswered for
+`server.core_call_timeout_s` is stuck (its input thread answers whatever the
+engine is doing) and is killed. If the core dies, every open stream ends with
+`SessionDone(reason="unavailable")` (the service raises EngineUnavailableError:
+503 / UNAVAILABLE), `engine_alive` turns False (/ready: 503), and the core is
+started again (`server.restart_core`), warmed with the first session this
+client ran, and `engine_alive` turns True again; without restart, `fatal` is
+set and the server exits non-zero. `shutdown()` asks the core to stop after
+the service has drained, then joins it (terminate, then kill, if it does not
+go).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from multiprocessing.connection import wait as wait_for_any
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import engine_wire as wire
+from .config import Config
+from .engine_client import EngineCoreStats, SessionDone, SessionOutput
+from .engine_proc import CALL_SHUTDOWN, CoreAddresses, CoreInfo, run_engine_core
+from .scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
+from .synthesis import ServiceUnavailableError
+
+log = logging.getLogger(__name__)
+
+_JOIN_S = 10.0  # the core's own shutdown (engine close, codec stop) before it is terminated
+_WARMUP_S = 120.0  # a restarted core's warm-up session
+# A core that dies more than this many times within _CRASH_LOOP_S is not started again (the server stops):
+# something outside it is wrong, and each restart would fail every stream once more.
+_CRASH_LOOP_RESTARTS = 3
+_CRASH_LOOP_S = 300.0
+
+
+class CoreStartError(RuntimeError):
+    """The engine-core process failed to build its engine (its traceback is in the message)."""
+
+
+class MPClient:
+    """The EngineCoreClient protocol over ZeroMQ to an engine-core process (see the module docstring)."""
+
+    def __init__(self, config: Config, *, api_index: int = 0) -> None:
+        self._config = config
+        self._api = api_index
+        self._timeout_s = config.server.core_call_timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="orpheus-core-"))
+        self._addresses = CoreAddresses(
+            input=f"ipc://{self._dir}/input",
+            outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context()
+        self._calls: zmq.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self.info: CoreInfo | None = None
+        self._seq = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._mailboxes: dict[str, asyncio.Queue[SessionOutput]] = {}
+        # Notes for the core, sent once per loop pass: delivered samples (summed per session), cancels, releases.
+        self._delivered: dict[str, int] = {}
+        self._cancels: list[str] = []
+        self._releases: list[str] = []
+        self._flush_scheduled = False
+        self._alive = False  # the process runs and answers (the transport is up)
+        self._serving = False  # and it takes sessions: up, and warmed up after a restart
+        self._core_failure: str | None = None  # why the process is gone
+        self._engine_failure: str | None = None  # the core declared its engine dead
+        self._last_stats: EngineCoreStats | None = None
+        self._warmup: SessionRequest | None = None
+        self._stopping = False
+        self.restarts = 0
+        self._deaths: list[float] = []  # monotonic times the core died, within _CRASH_LOOP_S
+        # Set when the core died and will not be started again: the server exits non-zero.
+        self.fatal = asyncio.Event()
+
+    # ------------------------------------------------------------ start-up
+
+    def launch(self) -> CoreInfo:
+        """Start the engine-core process and wait until its engine is built (blocking, like building
+        the engine in-process). CoreStartError if it fails."""
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self._addresses.outputs[self._api])
+        try:
+            self.info = self._spawn()
+        except BaseException:
+            self._close_transport()
+            raise
+        self._open_calls()
+        self._alive = self._serving = True
+        self._last_stats = self._stats_call()
+        return self.info
+
+    def _spawn(self) -> CoreInfo:
+        ctx = multiprocessing.get_context("spawn")
+        receiver, sender = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=run_engine_core, name="orpheus-engine-core", daemon=True,
+                              args=(self._config.model_dump(mode="json"), self._addresses, sender))
+        process.start()
+        sender.close()
+        try:
+            wait_for_any([receiver, process.sentinel])  # the engine build has no bound of its own
+            if not receiver.poll():
+                process.join()
+                raise CoreStartError(f"the engine-core process exited with code {process.exitcode} before it was ready")
+            try:
+                status, payload = receiver.recv()
+            except EOFError:
+                process.join()
+                raise CoreStartError(f"the engine-core process exited with code {process.exitcode} before it was ready") from None
+        finally:
+            receiver.close()
+        if status != "ready":
+            process.join(_JOIN_S)
+            raise CoreStartError(f"the engine core failed to start:\n{payload}")
+        if self._stopping:  # a restart that finished after shutdown() began: this core is not wanted
+            process.kill()
+            process.join()
+            raise CoreStartError("the server stopped while the engine core was starting")
+        self._process = process
+        log.info("engine core running in process %d (%d slots, max_seq_len %d)", payload.pid, payload.num_slots,
+                 payload.max_seq_len)
+        return payload
+
+    def _open_calls(self) -> None:
+        if self._calls is not None:
+            self._calls.close(0)
+        self._calls = self._ctx.socket(zmq.DEALER)
+        self._calls.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
+        self._calls.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
+        self._calls.setsockopt(zmq.LINGER, 0)
+        self._calls.connect(self._addresses.input)
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # ------------------------------------------------------------ the protocol
+
+    @property
+    def engine_alive(self) -> bool:
+        return self._serving and self._engine_failure is None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._process is None:
+            raise RuntimeError("MPClient.start() before launch()")
+        self._loop = loop
+        self._reader = loop.create_task(self._read_outputs(), name="engine-core-outputs")
+        self._reader.add_done_callback(self._reader_done)
+        self._watch(self._process)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        process = self._process
+        if process is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(process.sentinel)
+            if process.is_alive() and self._alive:
+                try:
+                    self._call(CALL_SHUTDOWN, timeout_s=_JOIN_S)
+                except ServiceUnavailableError as exc:
+                    log.error("the engine core did not take the stop request (%s); terminating it", exc)
+            process.join(_JOIN_S)
+            if process.is_alive():
+                log.error("the engine core did not stop within %.0f s; terminating it", _JOIN_S)
+                process.terminate()
+                process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._alive = self._serving = False
+        if self._reader is not None:
+            self._reader.cancel()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        for sock in (self._calls, self._pull):
+            if sock is not None:
+                sock.close(0)
+        self._ctx.term()
+        self._actx.term()
+        shutil.rmtree(self._dir)
+
+    def submit(self, request: SessionRequest) -> None:
+        if not self._serving:
+            raise ServiceUnavailableError(f"the engine core is not running: {self._core_failure}")
+        if self._warmup is None:
+            self._warmup = request
+        self._submit(request)
+
+    def _submit(self, request: SessionRequest) -> None:
+        try:
+            status, *detail = self._call(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
+        except ServiceUnavailableError:
+            # No answer in time: the core may still have queued it, for nobody. Cancel it there.
+            self.cancel(request.request_id)
+            raise
+        if status == wire.OK:
+            # The output handler cannot have read anything for it yet: it runs on this loop, after this call.
+            self._mailboxes[request.request_id] = asyncio.Queue()
+            return
+        message, extra = detail
+        if status == wire.FULL:
+            raise SchedulerFullError(message, retry_after_s=extra)
+        if status == wire.INVALID:
+            raise InvalidSessionError(message, param=extra)
+        self._engine_failure = message
+        raise ServiceUnavailableError(message)
+
+    def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]:
+        return self._mailboxes[session_id]
+
+    def note_delivered(self, session_id: str, samples: int) -> None:
+        self._delivered[session_id] = self._delivered.get(session_id, 0) + samples
+        self._schedule_flush()
+
+    def cancel(self, session_id: str) -> None:
+        self._cancels.append(session_id)
+        self._schedule_flush()
+
+    def release(self, session_id: str) -> None:
+        if self._mailboxes.pop(session_id, None) is not None:
+            self._releases.append(session_id)
+            self._schedule_flush()
+
+    def open_sessions(self) -> list[str]:
+        return list(self._mailboxes)
+
+    def stats(self) -> EngineCoreStats:
+        """The core's snapshot; while it is down, the last one with the engine marked not alive."""
+        if self._alive:
+            try:
+                self._last_stats = self._stats_call()
+                return self._last_stats
+            except ServiceUnavailableError as exc:
+                failure = str(exc)
+        else:
+            failure = self._core_failure or "the engine core is not running"
+        assert self._last_stats is not None  # launch() took one
+        return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
+
+    def _stats_call(self) -> EngineCoreStats:
+        _, values = self._call(wire.CALL_STATS)
+        stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
+        if stats.engine_failure is not None:
+            self._engine_failure = stats.engine_failure
+        return stats
+
+    # ------------------------------------------------------------ transport
+
+    def _call(self, kind: int, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Send one call and wait for its answer (blocking the loop: one round trip to a core that
+        answers from its input thread). ServiceUnavailableError if it cannot be sent, the core dies, or
+        no answer comes within `timeout_s` (server.core_call_timeout_s)."""
+        assert self._calls is not None
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        self._flush_notes()
+        self._seq += 1
+        seq = self._seq
+        try:
+            self._calls.send(wire.pack([kind, seq, *args]), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                message = f"the engine core did not answer within {timeout:g} s"
+                if not self._stopping and self._process is not None and self._process.is_alive():
+                    # Its input thread answers at once whatever the engine does: silence means it is stuck.
+                    # Treated as dead: killed, its streams failed, and started again (see _on_process_exit).
+                    log.error("%s; killing it (process %d)", message, self._process.pid)
+                    self._process.kill()
+                raise ServiceUnavailableError(message)
+            if self._calls.poll(int(min(remaining, 0.1) * 1000) + 1):
+                reply = wire.unpack(self._calls.recv())
+                if reply[0] == seq:
+                    return reply[1:]
+                continue  # the late answer to an earlier call that timed out
+            if self._process is None or not self._process.is_alive():
+                raise ServiceUnavailableError("the engine-core process has died")
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_notes)
+
+    def _flush_notes(self) -> None:
+        self._flush_scheduled = False
+        if not (self._delivered or self._cancels or self._releases) or self._calls is None or not self._alive:
+            return
+        message = wire.pack([wire.NOTES, list(self._delivered.items()), self._cancels, self._releases])
+        try:
+            self._calls.send(message, zmq.NOBLOCK)
+        except zmq.Again:
+            # The core's input queue is full: keep the notes (one entry per session at most) for the next pass.
+            log.warning("the engine core's input queue is full; delivery notes wait for the next pass")
+            return
+        self._delivered = {}
+        self._cancels = []
+        self._releases = []
+
+    async def _read_outputs(self) -> None:
+        assert self._pull is not None
+        while True:
+            batch = wire.unpack(await self._pull.recv())
+            for entry in batch:
+                session_id, item = wire.decode_output(entry)
+                if not session_id:  # the core declared its engine dead
+                    assert isinstance(item, SessionDone)
+                    self._engine_failure = item.error or "the engine failed"
+                    continue
+                mailbox = self._mailboxes.get(session_id)
+                if mailbox is not None:  # None: released; the client has gone
+                    mailbox.put_nowait(item)
+
+    def _reader_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._stopping:
+            return
+        error = task.exception()
+        log.error("the engine-core output handler failed: %r", error)
+        self._core_lost(f"the engine core's output handler failed: {error!r}")
+
+    # ------------------------------------------------------------ supervision
+
+    def _watch(self, process: multiprocessing.process.BaseProcess) -> None:
+        assert self._loop is not None
+        self._loop.add_reader(process.sentinel, self._on_process_exit, process)
+
+    def _on_process_exit(self, process: multiprocessing.process.BaseProcess) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(process.sentinel)
+        process.join(1.0)
+        if self._stopping:
+            return
+        self._core_lost(f"the engine-core process died (exit code {process.exitcode})")
+        if process.is_alive():  # lost for another reason (its output handler): make sure it is gone
+            process.kill()
+            process.join()
+
+    def _core_lost(self, reason: str) -> None:
+        if not self._alive or self._stopping:
+            return
+        log.error("%s; failing %d open streams", reason, len(self._mailboxes))
+        self._alive = self._serving = False
+        self._core_failure = reason
+        for mailbox in self._mailboxes.values():
+            mailbox.put_nowait(SessionDone(reason="unavailable", error=reason))
+        self._delivered, self._cancels, self._releases = {}, [], []
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < _CRASH_LOOP_S] + [now]
+        if not self._config.server.restart_core:
+            log.critical("server.restart_core is off: the server stops")
+            self.fatal.set()
+        elif len(self._deaths) > _CRASH_LOOP_RESTARTS:
+            log.critical("the engine core died %d times within %.0f s; not starting it again: the server stops",
+                         len(self._deaths), _CRASH_LOOP_S)
+            self.fatal.set()
+        else:
+            assert self._loop is not None
+            self._restart_task = self._loop.create_task(self._restart(), name="engine-core-restart")
+
+    async def _restart(self) -> None:
+        assert self._loop is not None
+        self.restarts += 1
+        log.warning("starting the engine core again (restart %d)", self.restarts)
+        try:
+            self._open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
+            self.info = await self._loop.run_in_executor(None, self._spawn)
+            assert self._process is not None
+            self._watch(self._process)
+            self._alive = True
+            self._engine_failure = None
+            await self._warm_up()
+            self._serving = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._restart_task is not asyncio.current_task():
+                return  # the new core died too; a later restart has taken over
+            log.exception("restarting the engine core failed")
+            self._alive = self._serving = False
+            self._core_failure = f"restarting the engine core failed: {exc}"
+            self.fatal.set()
+            return
+        self._core_failure = None
+        log.warning("engine core restarted (process %d)", self.core_pid)
+
+    async def _warm_up(self) -> None:
+        """Run the first session this client ever ran again, as the service's warm-up did at start."""
+        if self._warmup is None:
+            return
+        request = replace(self._warmup, request_id=f"{self._warmup.request_id}-restart{self.restarts}",
+                          arrival_s=time.monotonic())
+        self._submit(request)
+        try:
+            await asyncio.wait_for(self._drain(request.request_id), _WARMUP_S)
+        finally:
+            self.release(request.request_id)
+
+    async def _drain(self, session_id: str) -> None:
+        mailbox = self._mailboxes[session_id]
+        generated = audio_out = False
+        while not (generated and audio_out):
+            item = await mailbox.get()
+            if isinstance(item, bytes):
+                self.note_delivered(session_id, len(item) // 2)
+            elif item.error is not None or item.reason in ("error", "timeout", "cancelled", "unavailable"):
+                raise CoreStartError(f"the restarted engine core failed its warm-up: {item.error or item.reason}")
+            elif item.reason == "audio":
+                audio_out = True
+            else:
+                generated = True

@@ -1,0 +1,404 @@
+"""The engine core in its own process (server.engine_process): the wire, admission answers, core death.
+
+The rest of the gateway suite runs against the split server too (ORPHEUS_ENGINE_PROCESS=1, see
+gateway_support.py); these tests check what only the split has: a core process that can die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import zmq
+from websockets.asyncio.client import connect as ws_connect
+
+from orpheus_serve import engine_wire as wire
+from orpheus_serve.benchmarking.launch import LaunchedServer
+from orpheus_serve.client import protocols as api_client
+from orpheus_serve.codec.sim import SimDecoder
+from orpheus_serve.config import ConfigError, load_config
+from orpheus_serve.engine_client import SessionDone
+from orpheus_serve.engine_proc import CALL_SHUTDOWN, CoreAddresses, EngineCoreProc
+from orpheus_serve.engines.sim_engine import SimEngine
+from orpheus_serve.proto import orpheus_pb2 as pb
+from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.scheduler import SessionRequest
+from orpheus_serve.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
+from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
+
+SPLIT = {"server.engine_process": True}
+LONG = "This stream keeps talking for a good while, long enough to be cut off in the middle."
+
+
+def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
+    request = SessionRequest(request_id="r-0", prompt_ids=(128259, 128000, 42, 128257),
+                             sampling=SamplingParams(temperature=0.0, top_k=5, max_tokens=700, seed=SEED_MAX),
+                             arrival_s=12.5, playback_start_s=11.0, audio_before_s=1.25)
+    assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))) == request
+    pcm = bytes(range(256)) * 8
+    done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
+    for item in (pcm, done):
+        assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
+
+
+class DyingSimEngine:
+    """The sim engine, and a switch after which every step says the runtime is dead (as TensorRT-LLM's does)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self.num_slots = engine.num_slots
+        self.max_seq_len = engine.max_seq_len
+        self.failing = False
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        if self.failing:
+            raise EngineDeadError("executor worker exited with code 134")
+        return self.engine.step(plan)
+
+    def memory_report(self) -> Any:
+        return self.engine.memory_report()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_orpheus: Path, tmp_path: Path) -> None:
+    """EngineCoreProc on a thread here, spoken to as an API process does: admission answers, audio to the
+    submitting API process, and once the engine dies, a notice to every API process and refusals."""
+    config = sim_config(tiny_orpheus, **SPLIT)
+    engine = DyingSimEngine(SimEngine.from_config(config))
+    addresses = CoreAddresses(input=f"ipc://{tmp_path}/in", outputs=(f"ipc://{tmp_path}/out-0",))
+    ctx = zmq.Context()
+    outputs = ctx.socket(zmq.PULL)
+    outputs.bind(addresses.outputs[0])
+    calls = ctx.socket(zmq.DEALER)
+    calls.connect(addresses.input)
+    core = EngineCoreProc(config, engine, SimDecoder(), "cpu", addresses)
+    runner = threading.Thread(target=core.run, daemon=True)
+    runner.start()
+    seq = iter(range(1, 100))
+
+    def call(kind: int, *args: Any) -> list[Any]:
+        number = next(seq)
+        calls.send(wire.pack([kind, number, *args]))
+        assert calls.poll(10_000), "no answer from the core"
+        reply = wire.unpack(calls.recv())
+        assert reply[0] == number
+        return reply[1:]
+
+    def next_outputs() -> list[tuple[str, Any]]:
+        assert outputs.poll(10_000), "no output from the core"
+        return [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+
+    def request(request_id: str) -> list[Any]:
+        return wire.encode_request(SessionRequest(request_id, (128259, 128000, 42, 128257),
+                                                  SamplingParams(max_tokens=700, seed=1), time.monotonic()))
+
+    try:
+        assert call(wire.CALL_SUBMIT, 0, request("a")) == [wire.OK]
+        assert call(wire.CALL_SUBMIT, 0, request("a"))[:1] == [wire.INVALID]  # the id is in use
+        pcm = b""
+        while not pcm:
+            pcm = b"".join(item for session, item in next_outputs() if session == "a" and isinstance(item, bytes))
+        engine.failing = True
+        seen: dict[str, SessionDone] = {}
+        while "" not in seen or "a" not in seen:
+            seen.update((session, item) for session, item in next_outputs() if isinstance(item, SessionDone))
+        assert seen["a"].reason == "error" and "code 134" in (seen["a"].error or "")
+        assert seen[""].reason == "engine_dead" and "code 134" in (seen[""].error or "")
+        status, message, _ = call(wire.CALL_SUBMIT, 0, request("b"))
+        assert status == wire.UNAVAILABLE and "code 134" in message
+        stats = wire.decode_stats(call(wire.CALL_STATS)[1])
+        assert stats.engine_alive is False and stats.core_cpu_s > 0
+        assert call(CALL_SHUTDOWN) == [wire.OK]
+        runner.join(10)
+        assert not runner.is_alive()
+    finally:
+        calls.close(0)
+        outputs.close(0)
+        ctx.term()
+
+
+def test_more_than_one_api_process_is_refused_at_start_up() -> None:
+    with pytest.raises(ConfigError, match=r"server\.api_processes: only 1 API process is supported"):
+        load_config(overrides={"server.engine_process": True, "server.api_processes": 2}, env={})
+
+
+def _core_pid(server: Any) -> int:
+    pid = stats(server)["process"]["engine_core_pid"]
+    assert isinstance(pid, int) and pid != os.getpid()
+    return pid
+
+
+def test_split_server_streams_and_counts_the_core_separately(tiny_orpheus: Path) -> None:
+    server = start_server(sim_config(tiny_orpheus, **SPLIT))
+    try:
+        response = httpx.post(f"{server.base_url}/v1/audio/speech",
+                              json={"input": "Hello there.", "response_format": "pcm", "max_tokens": 140}, timeout=30)
+        assert response.status_code == 200 and len(response.content) > 0
+        snapshot = stats(server)
+        assert snapshot["scheduler"]["finished"] >= 1 and snapshot["total_tokens"] > 0
+        process = snapshot["process"]
+        assert process["engine_core_cpu_s"] > 0 and process["cpu_s"] > process["engine_core_cpu_s"]
+        assert process["engine_core_restarts"] == 0
+        _core_pid(server)
+        check_openai_error(httpx.post(f"{server.base_url}/v1/audio/speech", json={"input": "x" * 5000}), 400)
+    finally:
+        server.stop()
+
+
+def test_a_full_queue_is_refused_by_the_core_with_a_retry_hint(tiny_orpheus: Path) -> None:
+    config = sim_config(tiny_orpheus, **SPLIT, **{"scheduler.max_concurrent_sessions": 1, "scheduler.max_batch_size": 1,
+                                                  "scheduler.max_queue": 0})
+    server = start_server(config)
+    try:
+        async def two() -> list[api_client.ClientResult]:
+            first = asyncio.create_task(api_client.synthesize_grpc(server.grpc_address, LONG, max_tokens=700))
+            await asyncio.to_thread(wait_for, lambda: stats(server)["scheduler"]["active_sessions"] == 1, 30,
+                                    "the first stream holds the slot")
+            second = await api_client.synthesize_rest(server.base_url, "Me too.", max_tokens=70)
+            return [await first, second]
+
+        first, second = asyncio.run(two())
+        assert first.status == "ok", first.error
+        assert second.status == "rejected" and second.code == "server_busy", (second.status, second.error)
+    finally:
+        server.stop()
+
+
+async def _sse_until_error(base_url: str, first_audio: asyncio.Event) -> dict[str, Any]:
+    """An SSE stream: its error event, with the audio deltas before it."""
+    deltas = 0
+    async with httpx.AsyncClient(timeout=60) as http, http.stream(
+            "POST", f"{base_url}/v1/audio/speech",
+            json={"input": LONG, "stream_format": "sse", "response_format": "pcm", "max_tokens": 2800}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            if event["type"] == "speech.audio.delta":
+                deltas += 1
+                first_audio.set()
+            elif event["type"] == "error":
+                return {"deltas": deltas, **event["error"]}
+            else:
+                raise AssertionError(f"the stream ended normally: {event['type']}")
+    raise AssertionError("the SSE stream closed without an error event")
+
+
+async def _ws_until_error(base_url: str, first_audio: asyncio.Event) -> dict[str, Any]:
+    """A WebSocket request: its error message, with the audio messages before it."""
+    chunks = 0
+    async with ws_connect(api_client.stream_url(base_url), max_size=None) as ws:
+        await ws.send(json.dumps({"text": LONG, "response_format": "pcm", "max_tokens": 2800}))
+        async for frame in ws:
+            if isinstance(frame, bytes):
+                chunks += 1
+                first_audio.set()
+                continue
+            reply = json.loads(frame)
+            if "error" in reply:
+                return {"chunks": chunks, **reply["error"]}
+            raise AssertionError(f"the stream ended normally: {reply}")
+    raise AssertionError("the WebSocket closed without an error message")
+
+
+async def _grpc_until_error(address: str, first_audio: asyncio.Event) -> tuple[int, grpc.StatusCode, str]:
+    """A gRPC stream: (audio messages, status code, details) of the error that ended it."""
+    chunks = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SynthesizerStub(channel).Synthesize(
+            pb.SynthesizeRequest(text=LONG, sampling=pb.SamplingOptions(max_tokens=2800)), timeout=60)
+        try:
+            async for response in call:
+                if response.HasField("audio"):
+                    chunks += 1
+                    first_audio.set()
+        except grpc.aio.AioRpcError as exc:
+            return chunks, exc.code(), exc.details() or ""
+    raise AssertionError("the gRPC stream ended normally")
+
+
+def test_killing_the_core_mid_stream_fails_every_stream_and_the_core_comes_back(tiny_orpheus: Path) -> None:
+    # Streams of 300 frames (25 s of audio, paced in real time): well under way when the core dies. All three
+    # admitted by slots: on a busy machine the measured capacity could queue one behind the others.
+    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.end_after_frames": 300,
+                                                              "scheduler.admission": "slots"}))
+    base = server.base_url
+    try:
+        old_pid = _core_pid(server)
+
+        async def scenario() -> tuple[dict[str, Any], dict[str, Any], tuple[int, grpc.StatusCode, str], float]:
+            started = [asyncio.Event() for _ in range(3)]
+            streams = asyncio.gather(_sse_until_error(base, started[0]), _ws_until_error(base, started[1]),
+                                     _grpc_until_error(server.grpc_address, started[2]))
+            try:
+                await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            except asyncio.TimeoutError:
+                streams.cancel()
+                raise AssertionError(f"first audio (SSE, WebSocket, gRPC): {[e.is_set() for e in started]}; "
+                                     f"server: {stats(server)['scheduler']}") from None
+            os.kill(old_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            sse, ws, grpc_result = await asyncio.wait_for(streams, 30)
+            return sse, ws, grpc_result, time.monotonic() - killed_at
+
+        sse, ws, (grpc_chunks, grpc_code, grpc_details), waited_s = asyncio.run(scenario())
+        # Each protocol's own "unavailable": an SSE error event, a WebSocket error message, gRPC UNAVAILABLE.
+        assert sse["code"] == "engine_unavailable" and sse["type"] == "server_error" and sse["deltas"] > 0, sse
+        assert "engine-core process died" in sse["message"]
+        assert ws["code"] == "engine_unavailable" and ws["chunks"] > 0, ws
+        assert grpc_code == grpc.StatusCode.UNAVAILABLE and grpc_chunks > 0, (grpc_code, grpc_details)
+        assert "engine-core process died" in grpc_details
+        assert waited_s < 10
+        # Until the new core is up, /ready says so and new requests get 503 at once.
+        ready = httpx.get(f"{base}/ready")
+        assert (ready.status_code, ready.json()) == (503, {"status": "engine_failed"})
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "Anyone?"}), 503, "unavailable")
+
+        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 200, 120, "the restarted core is ready")
+        assert _core_pid(server) != old_pid
+        snapshot = stats(server)
+        assert snapshot["process"]["engine_core_restarts"] == 1 and snapshot["engine"]["alive"] is True
+        assert snapshot["requests"]["requests_failed"] == 3
+
+        async def after() -> list[api_client.ClientResult]:
+            return list(await asyncio.gather(*(api_client.synthesize(p, "Back again.", url=base,
+                                                                     grpc_addr=server.grpc_address, max_tokens=140)
+                                               for p in ("rest", "ws", "grpc"))))
+
+        for result in asyncio.run(after()):
+            assert result.status == "ok" and result.chunks, (result.protocol, result.error)
+    finally:
+        server.stop()
+
+
+def test_a_stuck_core_is_killed_at_the_call_timeout_and_started_again(tiny_orpheus: Path) -> None:
+    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{"server.core_call_timeout_s": 1.0}))
+    base = server.base_url
+    try:
+        old_pid = _core_pid(server)
+        os.kill(old_pid, signal.SIGSTOP)  # alive, but answers nothing
+        started = time.monotonic()
+        check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "Anyone?"}, timeout=30), 503)
+        assert time.monotonic() - started < 5
+        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 200, 120, "the restarted core is ready")
+        assert _core_pid(server) != old_pid
+        response = httpx.post(f"{base}/v1/audio/speech", json={"input": "Back.", "response_format": "pcm"}, timeout=30)
+        assert response.status_code == 200 and response.content
+    finally:
+        server.stop()
+
+
+def test_without_restart_a_dead_core_stops_the_server_with_a_nonzero_exit(tiny_orpheus: Path, tmp_path: Path) -> None:
+    overrides = [f"{key}={value}" for key, value in {
+        "engine.backend": "sim", "engine.model_path": tiny_orpheus, "codec.decoder": "sim",
+        "codec.path": tiny_orpheus.parent / "tiny-snac", "server.engine_process": "true",
+        "server.restart_core": "false", "server.shutdown_grace_s": 1.0, "server.log_level": "info",
+    }.items()]
+    launched = LaunchedServer(overrides, ready_timeout_s=120, log_path=tmp_path / "server.log")
+    launched.start()
+    try:
+        assert launched.process is not None
+        pid = launched.stats()["process"]["engine_core_pid"]
+        os.kill(pid, signal.SIGKILL)
+        try:
+            code = launched.process.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server kept running after its engine core died")
+        assert code == 1
+        log = (tmp_path / "server.log").read_text()
+        assert "engine-core process died" in log and "restart_core is off" in log
+    finally:
+        launched.stop()
+
+
+def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tiny_orpheus: Path,
+                                                                                 tmp_path: Path) -> None:
+    """SIGTERM to every process of the server at once (Ctrl-C, a cgroup stop): the core ignores it, the API
+    process drains its streams to their end, then stops the core, and exits 0."""
+    overrides = [f"{key}={value}" for key, value in {
+        "engine.backend": "sim", "engine.model_path": tiny_orpheus, "codec.decoder": "sim",
+        "codec.path": tiny_orpheus.parent / "tiny-snac", "server.engine_process": "true",
+        "server.shutdown_grace_s": 15.0, "scheduler.admission": "slots",
+    }.items()]
+    launched = LaunchedServer(overrides, ready_timeout_s=120, log_path=tmp_path / "server.log")
+    launched.start()
+    try:
+        assert launched.process is not None
+        core_pid = launched.stats()["process"]["engine_core_pid"]
+
+        async def streams_across_sigterm() -> list[api_client.ClientResult]:
+            started = [asyncio.Event(), asyncio.Event()]
+            ws = asyncio.create_task(_ws_whole(launched.url, started[0]))
+            grpc_call = asyncio.create_task(_grpc_whole(launched.grpc_addr, started[1]))
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            for pid in (launched.process.pid, core_pid):
+                os.kill(pid, signal.SIGTERM)
+            return list(await asyncio.wait_for(asyncio.gather(ws, grpc_call), 30))
+
+        for chunks, finish_reason in asyncio.run(streams_across_sigterm()):
+            assert chunks > 5 and finish_reason in ("stop", "length")
+        assert launched.process.wait(30) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(core_pid, 0)  # gone (reaped by the server before it exited)
+    finally:
+        launched.stop()
+
+
+async def _ws_whole(base_url: str, first_audio: asyncio.Event) -> tuple[int, str]:
+    """(audio messages, finish reason) of a WebSocket request that must end normally."""
+    chunks = 0
+    async with ws_connect(api_client.stream_url(base_url), max_size=None) as ws:
+        await ws.send(json.dumps({"text": "Finish me.", "response_format": "pcm", "max_tokens": 350, "seed": 1}))
+        async for frame in ws:
+            if isinstance(frame, bytes):
+                chunks += 1
+                first_audio.set()
+                continue
+            reply = json.loads(frame)
+            assert "error" not in reply, reply
+            if reply.get("done"):
+                return chunks, reply["metrics"]["finish_reason"]
+    raise AssertionError("the WebSocket closed before the request finished")
+
+
+async def _grpc_whole(address: str, first_audio: asyncio.Event) -> tuple[int, str]:
+    """(audio messages, finish reason) of a gRPC stream that must end normally."""
+    chunks = 0
+    finish_reason = ""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SynthesizerStub(channel).Synthesize(
+            pb.SynthesizeRequest(text="Me too.", sampling=pb.SamplingOptions(max_tokens=350, seed=2)), timeout=60)
+        async for response in call:
+            if response.HasField("audio"):
+                chunks += 1
+                first_audio.set()
+            else:
+                finish_reason = response.metrics.finish_reason
+    return chunks, finish_reason
+
+
+def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
+    """An engine that fails to build in the core process fails the server's start with the core's own
+    traceback, at once, instead of a hang."""
+    from orpheus_serve.mp_client import CoreStartError
+    from orpheus_serve.service import TTSService
+
+    config = sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.step_base_ms": 9.0, "engine.backend": "torch",
+                                                  "engine.device": "cuda:7"})
+    started = time.monotonic()
+    with pytest.raises(CoreStartError, match=r"(?s)failed to start.*Traceback"):
+        TTSService.from_config(config)
+    assert time.monotonic() - started < 120
