@@ -30,6 +30,7 @@ import anyio
 import uvicorn
 
 from ..config import Config
+from .cartesia import add_cartesia_route
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
 from .http import create_app
@@ -87,6 +88,7 @@ class OrpheusServer:
         self.gateway = Gateway(service, config)
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
+        add_cartesia_route(self.app, self.gateway)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._uvicorn: _UvicornServer | None = None

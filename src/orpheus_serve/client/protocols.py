@@ -1,4 +1,4 @@
-"""Streaming clients for the four protocols, shared by client.py and the benchmarks.
+"""Streaming clients for the protocols, shared by client.py and the benchmarks.
 
 Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
 the audio bytes, the arrival time and size of every audio message (from which
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +40,7 @@ from .records import StreamRecord
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_GRPC_ADDR = "127.0.0.1:50051"
 STREAM_PATH = "/v1/audio/stream"
+CARTESIA_PATH = "/tts/websocket"
 
 _REJECTED_HTTP = {429, 503}
 _REJECTED_CODES = {"server_busy", "too_many_connections", "unavailable"}
@@ -153,11 +156,11 @@ async def synthesize_rest(base_url: str, text: str, *, voice: str | None = None,
     return result
 
 
-def stream_url(base_url: str) -> str:
+def stream_url(base_url: str, path: str = STREAM_PATH) -> str:
     """http://host:port -> ws://host:port/v1/audio/stream (https -> wss)."""
     parts = urlsplit(base_url)
     scheme = "wss" if parts.scheme == "https" else "ws"
-    return urlunsplit((scheme, parts.netloc, STREAM_PATH, "", ""))
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
 async def _read_until_done(ws: Any, result: ClientResult) -> ClientResult:
@@ -266,6 +269,45 @@ async def synthesize_ws_context(base_url: str, text: str, *, tokens_per_s: float
     return await _ws_exchange(exchange, result, url, timeout_s)
 
 
+async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                              speed: float = 1.0, sample_rate: int | None = SAMPLE_RATE, api_key: str | None = None,
+                              timeout_s: float = 300.0, **sampling: Any) -> ClientResult:
+    """One context over a fresh Cartesia-compatible WebSocket (/tts/websocket), the whole text at once:
+    `chunk` messages until `done`. Raw audio only (`pcm` as pcm_s16le, `mulaw`, `alaw`); the protocol
+    carries no sampling options. `sample_rate` None: 24 kHz (8 kHz for G.711)."""
+    rate = sample_rate or (8000 if fmt in ("mulaw", "alaw") else SAMPLE_RATE)
+    result = ClientResult("cartesia", time.perf_counter(), format=fmt, sample_rate=rate, text_chars=len(text))
+    encoding = {"pcm": "pcm_s16le", "mulaw": "pcm_mulaw", "alaw": "pcm_alaw"}.get(fmt)
+    if encoding is None:
+        return result._fail("error", "the Cartesia protocol streams raw audio: use pcm, mulaw or alaw", "format")
+    message: dict[str, Any] = {
+        "context_id": uuid.uuid4().hex, "transcript": text, "continue": False, "model_id": "orpheus",
+        "voice": {"mode": "id", "id": voice}, "add_timestamps": False,
+        "output_format": {"container": "raw", "encoding": encoding, "sample_rate": rate}}
+    if speed != 1.0:
+        message["generation_config"] = {"speed": speed}
+    url = stream_url(base_url, CARTESIA_PATH)
+
+    async def exchange() -> ClientResult:
+        headers = {"X-API-Key": api_key} if api_key else {}
+        async with ws_connect(url, additional_headers=headers, max_size=None, open_timeout=30) as ws:
+            result.sent_s = time.perf_counter()
+            await ws.send(json.dumps(message))
+            async for frame in ws:
+                reply = json.loads(frame)
+                if reply.get("type") == "chunk":
+                    result._receive(base64.b64decode(reply["data"]))
+                elif reply.get("type") == "done":
+                    return result
+                elif reply.get("type") == "error":
+                    code = reply.get("error_code")
+                    status = "rejected" if code in _REJECTED_CODES else "error"
+                    return result._fail(status, str(reply.get("error")), code)
+            return result._fail("error", "the server closed the WebSocket before the context finished", "closed")
+
+    return await _ws_exchange(exchange, result, url, timeout_s)
+
+
 async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
                           speed: float = 1.0, sample_rate: int | None = None, api_key: str | None = None,
                           channel: grpc.aio.Channel | None = None, timeout_s: float = 300.0,
@@ -368,6 +410,9 @@ async def synthesize(protocol: str, text: str, *, url: str = DEFAULT_URL, grpc_a
         return await synthesize_grpc(grpc_addr, text, **kwargs)
     if protocol == "riva":
         return await synthesize_riva(grpc_addr, text, **kwargs)
+    if protocol == "cartesia":
+        kwargs.pop("client", None)
+        return await synthesize_cartesia(url, text, **kwargs)
     raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
 
 
