@@ -49,6 +49,8 @@ from orpheus_serve.synthesis import PROTOCOLS
 REQUESTS = int(os.environ.get("ORPHEUS_SOAK_REQUESTS", "600"))
 # The stateful decoder runs tiny SNAC on the CPU: tens of milliseconds a frame here, so a smaller run.
 STATEFUL_REQUESTS = max(30, REQUESTS // 20)
+# The protocols this soak drives (the Cartesia WebSocket is tested in test_cartesia*.py).
+DRIVEN = ("rest", "ws", "grpc", "riva")
 CONCURRENCY = 24  # clients in flight (6 per protocol), under the 32 slots: nothing is refused
 RSS_LIMIT_MB = 50.0
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
@@ -73,7 +75,7 @@ def make_plans(count: int, seed: int) -> list[Plan]:
     for i in range(count):
         roll = rng.random()
         action = "cancel" if roll < 0.20 else "disconnect" if roll < 0.25 else "complete"
-        protocol = PROTOCOLS[i % len(PROTOCOLS)]
+        protocol = DRIVEN[i % len(DRIVEN)]
         # The random point: after 1-4 audio messages, mid-stream for these utterances (10-29 frames); a WS
         # cancel may also come right after the request, while it waits for a slot or its first audio.
         lowest = 0 if protocol == "ws" and action == "cancel" else 1
@@ -280,7 +282,7 @@ class Driver:
     # --- the run
 
     async def run(self, plans: list[Plan], concurrency: int = CONCURRENCY) -> None:
-        queues = {p: asyncio.Queue() for p in PROTOCOLS}
+        queues = {p: asyncio.Queue() for p in DRIVEN}
         for plan in plans:
             queues[plan.protocol].put_nowait(plan)
 
@@ -313,8 +315,8 @@ class Driver:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(timeout=60.0, limits=limits) as http, \
                 grpc.aio.insecure_channel(self.server.grpc_addr) as channel:
-            per_protocol = max(1, concurrency // len(PROTOCOLS))
-            await asyncio.gather(*(worker(p, http, channel) for p in PROTOCOLS for _ in range(per_protocol)))
+            per_protocol = max(1, concurrency // len(DRIVEN))
+            await asyncio.gather(*(worker(p, http, channel) for p in DRIVEN for _ in range(per_protocol)))
 
 
 def _settled(server: LaunchedServer, within_s: float = 30.0) -> dict[str, Any]:
