@@ -11,6 +11,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned (pyproject.toml only sets a floor): on a CPU-only machine this is the CPU build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,bench]"
+  .venv/bin/python -m pip install -q -e ".[dev,bench,ray]"
   touch "$stamp"
 fi

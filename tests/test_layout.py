@@ -3,7 +3,8 @@
 - `scheduler/` imports no module of `engines/`, `codec/` or `api/`, and no torch: it plans with the
   step types of `orpheus_serve.step` and is tested on CPU with hand-built engine outputs.
 - `engines/` and `codec/` never import each other or `api/`.
-- nothing imports `api/` (the gateway) but `api/` itself and the entry point `__main__`.
+- nothing imports `api/` (the gateway) but `api/` itself, the entry point `__main__` and `deploy/`
+  (deployments wrap the server's app: DESIGN §2).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "orpheus_serve"
 API_ENTRY_POINTS = {"orpheus_serve.__main__"}
+API_WRAPPERS = "orpheus_serve.deploy"
 
 
 def module_name(path: Path) -> str:
@@ -82,10 +84,19 @@ def test_only_entry_points_import_the_gateway() -> None:
         f"{mod} imports {target}"
         for mod, targets in SOURCES.items()
         if not in_package(mod, "orpheus_serve.api") and mod not in API_ENTRY_POINTS
+        and not in_package(mod, API_WRAPPERS)
         for target in targets
         if in_package(target, "orpheus_serve.api")
     ]
     assert outside == []
+
+
+def test_deploy_is_the_only_package_beside_the_entry_points_that_may_import_the_gateway() -> None:
+    assert any(in_package(t, "orpheus_serve.api") for t in SOURCES["orpheus_serve.deploy.ray.app"])
+    # Nothing on the serving path imports deploy/ either: it sits outside, like the entry points.
+    inward = [f"{mod} imports {target}" for mod, targets in SOURCES.items()
+              if not in_package(mod, API_WRAPPERS) for target in targets if in_package(target, API_WRAPPERS)]
+    assert inward == []
 
 
 def test_the_checks_can_fail() -> None:
