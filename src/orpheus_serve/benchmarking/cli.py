@@ -168,7 +168,8 @@ class Bench:
             print(f"{'':>28} first audio from the first word p50/p95={row['ttfb_from_first_word_p50_ms']}/"
                   f"{row['ttfb_from_first_word_p95_ms']} ms, from the end of the first clause p50/p95="
                   f"{row['ttfb_from_first_clause_p50_ms']}/{row['ttfb_from_first_clause_p95_ms']} ms; "
-                  f"{row['first_audio_before_last_word']}/{row['input_streams']} spoke before their last word",
+                  f"{row['first_audio_before_last_word']}/{row['input_streams']} spoke before their last word "
+                  f"(writing a reply took {row['input_writing_p50_ms']} ms, p50)",
                   flush=True)
             rows.append(row)
         return {"rows": rows, "tokens_per_s": self.args.input_tokens_per_s, "ttfb_target_ms": ttfb_target}

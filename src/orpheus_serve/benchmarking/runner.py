@@ -134,6 +134,7 @@ def input_stream_summary(results: Sequence[Any]) -> dict[str, Any]:
     from_clause = [r.chunks[0][0] - r.input_marks["first_clause_s"] for r in ok]
     from_word = [r.chunks[0][0] - r.input_marks["first_word_s"] for r in ok]
     early = sum(r.chunks[0][0] < r.input_marks["last_word_s"] for r in ok)
+    writing = [r.input_marks["last_word_s"] - r.input_marks["first_word_s"] for r in ok]
 
     def ms(x: float | None) -> float | None:
         return None if x is None else round(1000 * x, 1)
@@ -143,6 +144,7 @@ def input_stream_summary(results: Sequence[Any]) -> dict[str, Any]:
         "ttfb_from_first_word_p95_ms": ms(percentile(from_word, 0.95)),
         "ttfb_from_first_clause_p50_ms": ms(percentile(from_clause, 0.5)),
         "ttfb_from_first_clause_p95_ms": ms(percentile(from_clause, 0.95)),
+        "input_writing_p50_ms": ms(percentile(writing, 0.5)),  # first word to last word sent
         "first_audio_before_last_word": early,
         "input_streams": len(ok),
     }
