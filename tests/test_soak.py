@@ -1,10 +1,10 @@
-"""Soak: many requests over REST, WebSocket and gRPC, some cancelled and some dropped mid-stream, then
+"""Soak: many requests over REST, WebSocket, gRPC and Riva, some cancelled and some dropped mid-stream, then
 nothing may be left behind (DESIGN §5a: departed clients cost nothing).
 
 A real server subprocess (so its RSS is its own) with the sim engine and a fast sim cost model: short
 utterances at GPU-like pacing, so hundreds of requests fit in a CI minute on two cores. Every request
 draws its fate from a seeded generator: 75% run to the end, 20% are cancelled by the client at a random
-point (WebSocket `{"cancel": true}`, gRPC `call.cancel()`, REST closing the response) and 5% drop the
+point (WebSocket `{"cancel": true}`, gRPC and Riva `call.cancel()`, REST closing the response) and 5% drop the
 connection mid-stream (a TCP reset for REST, an aborted WebSocket, a gRPC channel closed under its call).
 
 Afterwards: no slot, session or queued codec work is left, the decoder holds no per-session state, every
@@ -34,6 +34,8 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from riva.client.proto import riva_tts_pb2 as rtts
+from riva.client.proto import riva_tts_pb2_grpc as rtts_grpc
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
@@ -47,7 +49,9 @@ from orpheus_serve.synthesis import PROTOCOLS
 REQUESTS = int(os.environ.get("ORPHEUS_SOAK_REQUESTS", "600"))
 # The stateful decoder runs tiny SNAC on the CPU: tens of milliseconds a frame here, so a smaller run.
 STATEFUL_REQUESTS = max(30, REQUESTS // 20)
-CONCURRENCY = 24  # clients in flight (8 per protocol), under the 32 slots: nothing is refused
+# The protocols this soak drives (the Cartesia WebSocket is tested in test_cartesia*.py).
+DRIVEN = ("rest", "ws", "grpc", "riva")
+CONCURRENCY = 24  # clients in flight (6 per protocol), under the 32 slots: nothing is refused
 RSS_LIMIT_MB = 50.0
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
 
@@ -71,7 +75,7 @@ def make_plans(count: int, seed: int) -> list[Plan]:
     for i in range(count):
         roll = rng.random()
         action = "cancel" if roll < 0.20 else "disconnect" if roll < 0.25 else "complete"
-        protocol = PROTOCOLS[i % 3]
+        protocol = DRIVEN[i % len(DRIVEN)]
         # The random point: after 1-4 audio messages, mid-stream for these utterances (10-29 frames); a WS
         # cancel may also come right after the request, while it waits for a slot or its first audio.
         lowest = 0 if protocol == "ws" and action == "cancel" else 1
@@ -235,6 +239,35 @@ class Driver:
             if own is not channel:
                 await own.close()
 
+    # --- Riva (SynthesizeOnline, one message)
+
+    async def riva(self, plan: Plan, channel: grpc.aio.Channel) -> str:
+        if plan.action == "complete":
+            result = await api_client.synthesize_riva(self.server.grpc_addr, self._request_text(plan),
+                                                      channel=channel, max_tokens=plan.max_tokens, seed=plan.seed)
+            return self._check_complete(plan, result)
+        own = channel if plan.action == "cancel" else grpc.aio.insecure_channel(self.server.grpc_addr)
+        try:
+            request = rtts.SynthesizeSpeechRequest(
+                text=self._request_text(plan), language_code="en-US", sample_rate_hz=24000,
+                custom_configuration={"max_tokens": str(plan.max_tokens), "seed": str(plan.seed)})
+            call = rtts_grpc.RivaSpeechSynthesisStub(own).SynthesizeOnline(iter([request]), timeout=60)
+            seen = 0
+            async for response in call:
+                seen += bool(response.audio)
+                if seen >= plan.after_chunks:
+                    break
+            else:
+                return "finished first"
+            if plan.action == "cancel":
+                call.cancel()
+                return "cancelled"
+            await own.close()  # the connection goes with the call still streaming
+            return "dropped"
+        finally:
+            if own is not channel:
+                await own.close()
+
     def _check_complete(self, plan: Plan, result: api_client.ClientResult) -> str:
         if not result.ok:
             self.problems.append(f"{plan}: {result.status} {result.error}")
@@ -249,7 +282,7 @@ class Driver:
     # --- the run
 
     async def run(self, plans: list[Plan], concurrency: int = CONCURRENCY) -> None:
-        queues = {p: asyncio.Queue() for p in PROTOCOLS}
+        queues = {p: asyncio.Queue() for p in DRIVEN}
         for plan in plans:
             queues[plan.protocol].put_nowait(plan)
 
@@ -264,6 +297,8 @@ class Driver:
                             outcome = await self.rest(plan, http)
                         elif protocol == "ws":
                             outcome, conn = await self.ws(plan, conn)
+                        elif protocol == "riva":
+                            outcome = await self.riva(plan, channel)
                         else:
                             outcome = await self.grpc(plan, channel)
                     except Exception as exc:  # counted and reported, the run goes on
@@ -280,8 +315,8 @@ class Driver:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(timeout=60.0, limits=limits) as http, \
                 grpc.aio.insecure_channel(self.server.grpc_addr) as channel:
-            per_protocol = max(1, concurrency // len(PROTOCOLS))
-            await asyncio.gather(*(worker(p, http, channel) for p in PROTOCOLS for _ in range(per_protocol)))
+            per_protocol = max(1, concurrency // len(DRIVEN))
+            await asyncio.gather(*(worker(p, http, channel) for p in DRIVEN for _ in range(per_protocol)))
 
 
 def _settled(server: LaunchedServer, within_s: float = 30.0) -> dict[str, Any]:

@@ -316,7 +316,7 @@ class RivaSpeechSynthesisService:
             while True:
                 step = asyncio.ensure_future(anext(events))
                 await asyncio.wait({step, failure}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
+                if failure.done():  # a later message was refused: the call ends with its error
                     step.cancel()
                     await abort_call(context, failure.result())
                 try:
@@ -342,9 +342,11 @@ class RivaSpeechSynthesisService:
             await abort_call(context, exc)
         finally:
             reader.cancel()
-            if step is not None and not step.done():
+            if step is not None:
                 step.cancel()  # it runs the events generator: let it stop before the generator is closed
                 await asyncio.wait({step})
+                if not step.cancelled():
+                    step.exception()  # an error it ended with has been answered (or superseded) above
             if events is not None:
                 await events.aclose()
             if stream is not None:
