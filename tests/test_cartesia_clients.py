@@ -35,6 +35,7 @@ from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.cartesia.tts import CartesiaTTSService
+from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 
 from orpheus_serve.api.server import ServerThread
@@ -224,10 +225,11 @@ class Recorder(FrameProcessor):
                         and (context_id is None or f.context_id == context_id))
 
 
-async def run_pipecat(server: ServerThread, script: Any) -> Recorder:
+async def run_pipecat(server: ServerThread, script: Any, mode: TextAggregationMode = TextAggregationMode.SENTENCE
+                      ) -> Recorder:
     """A pipeline `CartesiaTTSService -> Recorder`; `script(worker, recorder)` drives it, then it ends."""
     tts = CartesiaTTSService(api_key=API_KEY, url=f"ws://127.0.0.1:{server.http_port}/tts/websocket",
-                             settings=CartesiaTTSService.Settings(voice="tara"))
+                             settings=CartesiaTTSService.Settings(voice="tara"), text_aggregation_mode=mode)
     recorder = Recorder()
     worker = PipelineWorker(Pipeline([tts, recorder]), params=PipelineParams(audio_out_sample_rate=24000),
                             cancel_on_idle_timeout=False)
@@ -259,7 +261,10 @@ async def pipecat_reply(worker: PipelineWorker, reply: str, gap_s: float = 0.05)
     return time.perf_counter()
 
 
-def test_pipecat_streams_an_llm_reply_as_it_is_written(server: ServerThread) -> None:
+@pytest.mark.parametrize("mode", [TextAggregationMode.SENTENCE, TextAggregationMode.TOKEN])
+def test_pipecat_streams_an_llm_reply_as_it_is_written(server: ServerThread, mode: TextAggregationMode) -> None:
+    """Sentence mode (the default) sends each sentence as it completes, with max_buffer_delay_ms 0; token mode
+    sends every LLM token and leaves the cutting to the server."""
     ended_at = started = 0.0
 
     async def script(worker: PipelineWorker, recorder: Recorder) -> None:
@@ -268,10 +273,10 @@ def test_pipecat_streams_an_llm_reply_as_it_is_written(server: ServerThread) -> 
         ended_at = await pipecat_reply(worker, REPLY)
         await recorder.wait_for(TTSStoppedFrame)
 
-    recorder = asyncio.run(run_pipecat(server, script))
+    recorder = asyncio.run(run_pipecat(server, script, mode))
     audio_frames = [(t, f) for t, f in recorder.frames if isinstance(f, TTSAudioRawFrame)]
     assert audio_frames, "no audio"
-    print(f"Pipecat: first audio {audio_frames[0][0] - started:.3f} s after the first token, the reply was written "
+    print(f"Pipecat ({mode.value}): first audio {audio_frames[0][0] - started:.3f} s after the first token, the reply was written "
           f"by {ended_at - started:.3f} s")
     assert audio_frames[0][0] < ended_at, "no audio before the LLM finished writing"
     audio = recorder.audio()

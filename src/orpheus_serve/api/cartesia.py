@@ -33,8 +33,8 @@ Auth (when server.api_keys is set): `X-API-Key: <key>`, `?api_key=<key>` or `Aut
 checked before the handshake completes (a wrong key gets HTTP 401). Fields this server has no use for
 (`model_id`, `language`, `pronunciation_dict_id`, ...) are accepted and ignored; a known field of the
 wrong type is an error. Voices: an Orpheus voice or OpenAI alias as `id`; a Cartesia voice id (a UUID)
-or an embedding is spoken with the default voice. Audio: raw `pcm_s16le`, `pcm_f32le`, and `pcm_mulaw` /
-`pcm_alaw` where the server's audio module has G.711, at 8000, 16000, 22050, 24000, 44100 or 48000 Hz.
+or an embedding is spoken with the default voice. Audio: raw `pcm_s16le`, `pcm_f32le`, `pcm_mulaw` or
+`pcm_alaw` (G.711, for telephony), at 8000, 16000, 22050, 24000, 44100 or 48000 Hz.
 Disconnecting cancels every context of the socket.
 """
 
@@ -56,7 +56,6 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from ..audio import AUDIO_FORMATS
 from ..config import StreamInputConfig
 from ..protocol import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
 from ..synthesis import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
@@ -175,9 +174,6 @@ class ContextSpec:
     @classmethod
     def from_message(cls, message: GenerationRequest, text: TextStream) -> ContextSpec:
         fmt = ENCODINGS[message.output_format.encoding]
-        if fmt not in AUDIO_FORMATS:
-            raise InvalidRequestError(f"encoding {message.output_format.encoding!r} is not available on this "
-                                      "server; use pcm_s16le or pcm_f32le", param="output_format.encoding")
         try:
             voice = resolve_cartesia_voice(message.voice)
         except UnknownVoiceError as exc:
