@@ -162,9 +162,13 @@ class Bench:
     def input_stream(self, target: Target, ttfb_target: float) -> dict[str, Any]:
         """Text streamed in: first audio after the first clause, not after the whole reply."""
         rows = []
-        for c in sorted({1, self.args.concurrent}):
-            spec = self.spec(c, protocol="ws", input_tokens_per_s=self.args.input_tokens_per_s)
-            row = self.run_level(target, spec, "input-stream")
+        # The usual mix (mostly one-sentence turns), then replies of two or three sentences alone (the medium
+        # texts), where writing the reply takes longer than the first audio does.
+        levels = [(c, "mix", (0.6, 0.3, 0.1)) for c in sorted({1, self.args.concurrent})] + [(1, "medium", (0, 1, 0))]
+        for c, texts, mix in levels:
+            spec = self.spec(c, protocol="ws", input_tokens_per_s=self.args.input_tokens_per_s, text_mix=mix)
+            row = self.run_level(target, spec, f"input-stream {texts}")
+            row["texts"] = texts
             print(f"{'':>28} first audio from the first word p50/p95={row['ttfb_from_first_word_p50_ms']}/"
                   f"{row['ttfb_from_first_word_p95_ms']} ms, from the end of the first clause p50/p95="
                   f"{row['ttfb_from_first_clause_p50_ms']}/{row['ttfb_from_first_clause_p95_ms']} ms; "
