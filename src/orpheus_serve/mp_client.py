@@ -279,6 +279,8 @@ class MPClient:
             return
         self._open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
         self.info = info
+        self.restarts += 1  # API process 0 counts the same restarts
+        self._figures_sent = None  # the new core has none of them yet
         self._engine_failure = self._core_failure = None
         self._alive = self._serving = True
         log.warning("the engine core is back (process %d)", info.pid)
@@ -525,6 +527,7 @@ class MPClient:
             assert self._process is not None
             self._watch(self._process)
             self._alive = True
+            self._figures_sent = None  # the new core has none of this process's counters yet
             self._engine_failure = None
             await self._warm_up()
             self._serving = True
