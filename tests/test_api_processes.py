@@ -19,7 +19,7 @@ import pytest
 
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
-from tests.gateway_support import wait_for
+from tests.gateway_support import metric_values, wait_for
 from tests.test_engine_process import _grpc_until_error, _grpc_whole, _sse_until_error, _ws_until_error, _ws_whole
 
 LONG = "This stream keeps talking for a good while, long enough to be cut off in the middle."
@@ -113,8 +113,22 @@ def test_two_api_processes_share_the_ports_stats_core_deaths_and_a_drain(tiny_or
                 snapshot["api_processes"]
             assert {protocol: snapshot["gateway"]["requests"][protocol] for protocol in ("rest", "ws", "grpc")} == \
                 {"rest": {"ok": 8}, "ws": {"ok": 8}, "grpc": {"ok": 8}}
+            process = snapshot["process"]  # CPU time: every API process's and the core's
+            assert process["cpu_s"] == pytest.approx(
+                sum(row["cpu_s"] for row in snapshot["api_processes"]) + process["engine_core_cpu_s"], abs=0.01)
             assert snapshot["throughput"]["audio_seconds_total"] == pytest.approx(
                 sum(result.audio_bytes for result in results) / 2 / 24000, abs=0.05)
+
+        # /metrics in either process: every process's counters and histograms, summed.
+        with httpx.Client(timeout=10.0) as client:
+            for _ in range(6):  # new connections: both processes answer some
+                text = client.get(f"{launched.url}/metrics", headers={"connection": "close"}).text
+                requests = metric_values(text, "orpheus:requests_total")
+                assert {protocol: requests.get(f'{{protocol="{protocol}",status="ok"}}')
+                        for protocol in ("rest", "ws", "grpc")} == {"rest": 8.0, "ws": 8.0, "grpc": 8.0}, requests
+                assert metric_values(text, "orpheus:time_to_first_audio_seconds_count") == {"": 24.0}
+                assert metric_values(text, "orpheus:active_streams") == {
+                    f'{{protocol="{protocol}"}}': 0.0 for protocol in ("rest", "ws", "grpc", "riva", "cartesia")}
 
         # Clients that go away mid-stream free their slots, whichever process served them.
         async def cut_off() -> None:

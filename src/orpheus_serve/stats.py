@@ -11,6 +11,7 @@ Prometheus gauge share.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -162,11 +163,12 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
     }
 
 
-def api_process_figures(tally: RequestTally, gateway: Mapping[str, Any]) -> dict[str, Any]:
-    """One API process's own counters, as it sends them to the engine core for the others' /v1/stats."""
-    return {"pid": os.getpid(), "requests": tally.as_dict(), "audio_seconds": tally.audio_seconds,
-            "tokens": tally.tokens,
-            "gateway": {key: value for key, value in gateway.items() if key != "uptime_s"}}
+def api_process_figures(tally: RequestTally, gateway: Mapping[str, Any], metrics: list[Any]) -> dict[str, Any]:
+    """One API process's own counters, as it sends them to the engine core for the others' /v1/stats
+    (and, `metrics`: its Prometheus counters and histograms, for their /metrics)."""
+    return {"pid": os.getpid(), "cpu_s": round(time.process_time(), 3), "requests": tally.as_dict(),
+            "audio_seconds": tally.audio_seconds, "tokens": tally.tokens,
+            "gateway": {key: value for key, value in gateway.items() if key != "uptime_s"}, "metrics": metrics}
 
 
 def _sum_into(total: dict[str, Any], part: Mapping[str, Any]) -> None:
@@ -186,6 +188,7 @@ def merge_api_processes(snapshot: dict[str, Any], own_index: int, figures: Mappi
     gateway: dict[str, Any] = {}
     audio_seconds = 0.0
     tokens = 0
+    cpu_s = 0.0
     rows = []
     for index in sorted(figures):
         part = figures[index]
@@ -193,12 +196,17 @@ def merge_api_processes(snapshot: dict[str, Any], own_index: int, figures: Mappi
         _sum_into(gateway, part["gateway"])
         audio_seconds += part["audio_seconds"]
         tokens += part["tokens"]
-        rows.append({"index": index, "pid": part["pid"], "requests": part["requests"], "gateway": part["gateway"]})
+        cpu_s += part["cpu_s"]
+        rows.append({"index": index, "pid": part["pid"], "cpu_s": part["cpu_s"], "requests": part["requests"],
+                     "gateway": part["gateway"]})
     snapshot["requests"] = requests
     snapshot["gateway"] = {"uptime_s": snapshot["gateway"]["uptime_s"], **gateway}
     throughput = snapshot["throughput"]
     throughput["audio_seconds_total"] = round(audio_seconds, 3)
     throughput["tokens_total"] = tokens
     throughput["audio_seconds_per_s"] = round(audio_seconds / max(throughput["uptime_s"], 1e-9), 4)
+    # CPU time of the whole server: every API process's (each as of its last report) and the core's.
+    process = snapshot["process"]
+    process["cpu_s"] = round(cpu_s + process["engine_core_cpu_s"], 3)
     snapshot["api_process_index"] = own_index
     snapshot["api_processes"] = rows

@@ -117,14 +117,21 @@ class OrpheusServer:
         """Every API process's /v1/stats sums all of their counters (api_processes.py)."""
         tally = self.service.tally
 
+        metrics = self.gateway.metrics
+
         def own() -> dict[str, Any]:
-            return api_process_figures(tally, self.gateway.figures())
+            return api_process_figures(tally, self.gateway.figures(), metrics.samples())
 
         def every() -> tuple[int, dict[int, dict[str, Any]]]:
             return self.api_index, {**client.api_figures, self.api_index: own()}
 
+        def peers() -> list[dict[str, Any]]:
+            client.stats()  # the core's latest copy of every process's counters
+            return [figures for index, figures in client.api_figures.items() if index != self.api_index]
+
         client.figures_source = own
         self.gateway.api_processes = every
+        metrics.peer_figures = peers
     @property
     def host(self) -> str:
         return self.config.server.host
