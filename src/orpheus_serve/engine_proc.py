@@ -110,13 +110,13 @@ class EngineCoreProc:
         self._input.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(addresses.input)
-        self._addresses = addresses
-        self._outputs = [self._new_output(address) for address in addresses.outputs]  # the output thread's
+        # The output thread's; None once the API process it feeds has died.
+        self._outputs: list[zmq.Socket | None] = [self._new_output(address) for address in addresses.outputs]
         self._runtime = CoreRuntime(config, engine, decoder, self._post, codec_device=codec_device)
         self._cond = threading.Condition()
         self._outbox: list[tuple[str, SessionOutput]] = []
         self._owner: dict[str, int] = {}  # session id -> API process; guarded by _cond
-        self._reset_outputs: set[int] = set()  # API processes that died: their PUSH sockets drop what is queued
+        self._reset_outputs: set[int] = set()  # API processes that died: their PUSH sockets are closed
         # Each API process's own request and gateway counters (server.api_processes > 1): every API process's
         # /v1/stats sums them. Main thread only.
         self._figures: dict[int, dict[str, Any]] = {}
@@ -249,7 +249,8 @@ class EngineCoreProc:
             return
         self._input.close(0)
         for out in self._outputs:
-            out.close()  # LINGER: the last outputs still go out
+            if out is not None:
+                out.close()  # LINGER: the last outputs still go out
         self._ctx.term()
 
     # ------------------------------------------- from the engine core and codec threads
@@ -284,10 +285,13 @@ class EngineCoreProc:
                         continue  # released or never ours: its client has gone
                     batches.setdefault(api, []).append(wire.encode_output(session_id, item))
             for api in resets:
-                # A dead API process's socket: what it queued is for sessions that no longer exist. A fresh
-                # socket (same address) serves the process started in its place.
-                self._outputs[api].close(0)
-                self._outputs[api] = self._new_output(self._addresses.outputs[api])
+                # A dead API process's socket: what it queued is for sessions that no longer exist, and a send
+                # to it would block this thread at the high-water mark. Nothing is sent there again (the
+                # server stops: api/api_processes.py).
+                out = self._outputs[api]
+                if out is not None:
+                    out.close(0)
+                    self._outputs[api] = None
             if not self._engine_dead_sent and not self._runtime.engine_alive:
                 # Every API process learns at once (its /ready, its submits), whoever's sessions failed.
                 self._engine_dead_sent = True
@@ -295,8 +299,11 @@ class EngineCoreProc:
                 for api in range(len(self._outputs)):
                     batches.setdefault(api, []).append(wire.encode_output("", SessionDone("engine_dead", error=failure)))
             for api, batch in batches.items():
+                out = self._outputs[api]
+                if out is None:
+                    continue
                 # Blocks at the high-water mark: an API process that does not read holds this thread, and
                 # flow control then holds the sessions (their delivery notes stop).
-                self._outputs[api].send(wire.pack(batch))
+                out.send(wire.pack(batch))
             if stopping:
                 return

@@ -48,6 +48,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import select
 import shutil
 import tempfile
 import time
@@ -134,6 +136,9 @@ class MPClient:
         self.api_figures: dict[int, dict[str, Any]] = {}
         self._figures_sent: dict[str, Any] | None = None
         self._figures_task: asyncio.Task[None] | None = None
+        # (An attached client) readable once the core process has exited (Linux pidfd): a call in flight gives
+        # up at once instead of at its timeout, before API process 0's notice arrives.
+        self._core_fd: int | None = None
 
     @classmethod
     def attach(cls, config: Config, addresses: CoreAddresses, info: CoreInfo, *, api_index: int) -> MPClient:
@@ -144,6 +149,7 @@ class MPClient:
         client._pull.setsockopt(zmq.LINGER, 0)
         client._pull.bind(addresses.outputs[api_index])
         client.info = info
+        client._follow(info.pid)
         client._open_calls()
         client._alive = client._serving = True
         try:
@@ -225,7 +231,19 @@ class MPClient:
     def _core_running(self) -> bool:
         if self._owner:
             return self._process is not None and self._process.is_alive()
+        if self._core_fd is not None and select.select([self._core_fd], [], [], 0)[0]:
+            return False
         return self._alive
+
+    def _follow(self, pid: int) -> None:
+        if self._core_fd is not None:
+            os.close(self._core_fd)
+            self._core_fd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self._core_fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                log.warning("the engine core (process %d) is gone already; API process 0's notice follows", pid)
 
     # ------------------------------------------------------------ the protocol
 
@@ -279,6 +297,7 @@ class MPClient:
             return
         self._open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
         self.info = info
+        self._follow(info.pid)
         self.restarts += 1  # API process 0 counts the same restarts
         self._figures_sent = None  # the new core has none of them yet
         self._engine_failure = self._core_failure = None
@@ -330,6 +349,9 @@ class MPClient:
                 sock.close(0)
         self._ctx.term()
         self._actx.term()
+        if self._core_fd is not None:
+            os.close(self._core_fd)
+            self._core_fd = None
         if self._dir is not None:
             shutil.rmtree(self._dir)
 
@@ -474,6 +496,8 @@ class MPClient:
         error = task.exception()
         log.error("the engine-core output handler failed: %r", error)
         self._core_lost(f"the engine core's output handler failed: {error!r}")
+        if not self._owner:  # the core is fine; this process is not: it stops, and API process 0 with it
+            self.fatal.set()
 
     # ------------------------------------------------------------ supervision
 

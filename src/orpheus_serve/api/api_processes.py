@@ -34,10 +34,11 @@ the one core:
   core when they change (at most every quarter second, mp_client.py); the
   core returns all of them with every stats answer, so /v1/stats in any
   process sums them (`stats.merge_api_processes`) and lists them per process
-  (`api_processes`, with `api_process_index` for the one that answered).
-  The engine part is the core's, the same everywhere. /metrics' histograms and
-  counters stay per process (Prometheus sums them across scrape targets); its
-  engine gauges are the core's.
+  (`api_processes`, with `api_process_index` for the one that answered);
+  `process.cpu_s` is every API process's CPU time plus the core's. /metrics
+  adds the others' Prometheus counters, histograms and gateway gauges to its
+  own the same way (they travel with those counters). The engine part of both
+  is the core's, the same everywhere.
 """
 
 from __future__ import annotations
