@@ -111,12 +111,11 @@ class OrpheusServer:
         self._grpc: GrpcGateway | None = None
         self._shutdown: asyncio.Task[None] | None = None
         self.exit_code = 0  # 1 when the server stopped because its engine core (or an API process) died
-        self._stop: asyncio.Event | None = None
+        self._stop = asyncio.Event()  # set by SIGTERM/SIGINT or request_stop(): serve_until_signalled stops
 
     def _share_counters(self, client: MPClient) -> None:
         """Every API process's /v1/stats sums all of their counters (api_processes.py)."""
         tally = self.service.tally
-
         metrics = self.gateway.metrics
 
         def own() -> dict[str, Any]:
@@ -245,14 +244,13 @@ class OrpheusServer:
 
     def request_stop(self) -> None:
         """Begin the graceful stop of `serve_until_signalled` (as SIGTERM does)."""
-        if self._stop is not None:
-            self._stop.set()
+        self._stop.set()
 
     async def serve_until_signalled(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve until SIGTERM or SIGINT, then shut down gracefully (the production entry point).
         `on_ready` is called once the server serves."""
         loop = asyncio.get_running_loop()
-        stop = self._stop = asyncio.Event()
+        stop = self._stop
 
         def on_signal(sig: signal.Signals) -> None:
             if stop.is_set():
