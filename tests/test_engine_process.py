@@ -129,9 +129,11 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
         ctx.term()
 
 
-def test_more_than_one_api_process_is_refused_at_start_up() -> None:
-    with pytest.raises(ConfigError, match=r"server\.api_processes: only 1 API process is supported"):
-        load_config(overrides={"server.engine_process": True, "server.api_processes": 2}, env={})
+def test_more_than_one_api_process_needs_the_engine_core_process() -> None:
+    with pytest.raises(ConfigError, match=r"server.*api_processes > 1 needs server\.engine_process: true"):
+        load_config(overrides={"server.api_processes": 2}, env={})
+    assert load_config(overrides={"server.engine_process": True, "server.api_processes": 2},
+                       env={}).server.api_processes == 2
 
 
 def _core_pid(server: Any) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "ORPHEUS_SERVE__"
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "model_config.yaml"
@@ -170,18 +170,18 @@ class ServerConfig(_Strict):
     # The engine core (scheduler, engine, codec worker) in a process of its own, fed over ZeroMQ
     # (mp_client.py); false: threads of this process (engine_client.InprocClient).
     engine_process: bool = False
-    api_processes: int = Field(1, ge=1, le=64)  # API processes in front of the one engine core (1 so far)
+    # API processes (HTTP/WebSocket + gRPC, sharing the ports with SO_REUSEPORT) in front of the one engine
+    # core (api/api_processes.py); more than 1 needs engine_process.
+    api_processes: int = Field(1, ge=1, le=64)
     restart_core: bool = True  # start a dead engine-core process again; false: the server exits non-zero
     core_call_timeout_s: float = Field(5.0, gt=0)  # longest wait for the engine core's answer to a submit
 
-    @field_validator("api_processes")
-    @classmethod
-    def _one_api_process(cls, value: int) -> int:
-        # The wire already routes each stream's audio to the API process that submitted it (engine_proc.py);
-        # starting and supervising more than one API process is not built yet.
-        if value > 1:
-            raise ValueError("only 1 API process is supported so far (the engine core takes one client)")
-        return value
+    @model_validator(mode="after")
+    def _api_processes_need_the_core_process(self) -> ServerConfig:
+        if self.api_processes > 1 and not self.engine_process:
+            raise ValueError("server.api_processes > 1 needs server.engine_process: true "
+                             "(the API processes share one engine core in a process of its own)")
+        return self
 
 
 class StreamInputConfig(_Strict):

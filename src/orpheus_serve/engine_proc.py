@@ -10,6 +10,8 @@ and the codec worker thread) with ZeroMQ in place of the event loop:
                            submit: answered at once (admitted, or the scheduler's refusal)
                            stats:  answered with an EngineCoreStats snapshot
                            notes:  delivered samples, cancels, releases (batched by the sender)
+                           figures: each API process's request counters, kept for the stats answer
+                           api gone: an API process died: its sessions are cancelled, its outputs dropped
     engine core thread:    schedule -> engine.step -> update   (never touches a socket)
     codec worker thread:   batched decode -> PCM16
     output thread:         outputs of both -> one msgpack batch per wake-up -> PUSH to the owning API process
@@ -108,17 +110,16 @@ class EngineCoreProc:
         self._input.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(addresses.input)
-        self._outputs: list[zmq.Socket] = []
-        for address in addresses.outputs:
-            out = self._ctx.socket(zmq.PUSH)
-            out.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
-            out.setsockopt(zmq.LINGER, 1000)
-            out.connect(address)
-            self._outputs.append(out)
+        # The output thread's; None once the API process it feeds has died.
+        self._outputs: list[zmq.Socket | None] = [self._new_output(address) for address in addresses.outputs]
         self._runtime = CoreRuntime(config, engine, decoder, self._post, codec_device=codec_device)
         self._cond = threading.Condition()
         self._outbox: list[tuple[str, SessionOutput]] = []
         self._owner: dict[str, int] = {}  # session id -> API process; guarded by _cond
+        self._reset_outputs: set[int] = set()  # API processes that died: their PUSH sockets are closed
+        # Each API process's own request and gateway counters (server.api_processes > 1): every API process's
+        # /v1/stats sums them. Main thread only.
+        self._figures: dict[int, dict[str, Any]] = {}
         self._stopping = False
         self._engine_dead_sent = False
         self._sender = threading.Thread(target=self._send_outputs, name="core-output", daemon=True)
@@ -169,13 +170,19 @@ class EngineCoreProc:
             if delivered:
                 self._runtime.wake()
             return False
+        if kind == wire.FIGURES:
+            self._figures[message[1]] = message[2]
+            return False
+        if kind == wire.API_GONE:
+            self._api_gone(message[1])
+            return False
         seq = message[1]
         if kind == wire.CALL_SUBMIT:
             self._reply(identity, [seq, *self._submit(message[2], message[3])])
             return False
         if kind == wire.CALL_STATS:
             stats = self._runtime.stats(core_cpu_s=time.process_time())
-            self._reply(identity, [seq, wire.OK, wire.encode_stats(stats)])
+            self._reply(identity, [seq, wire.OK, wire.encode_stats(stats), list(self._figures.items())])
             return False
         if kind == CALL_SHUTDOWN:
             self._halt()
@@ -183,6 +190,20 @@ class EngineCoreProc:
             return True
         log.error("unknown message kind %r from an API process; ignored", kind)
         return False
+
+    def _api_gone(self, api: int) -> None:
+        """API process `api` died: nobody reads its outputs any more. Its sessions are cancelled (their
+        slots freed) and what is queued for it is dropped."""
+        with self._cond:
+            sessions = [session_id for session_id, owner in self._owner.items() if owner == api]
+            for session_id in sessions:
+                del self._owner[session_id]
+            self._reset_outputs.add(api)
+            self._cond.notify()
+        for session_id in sessions:
+            self._runtime.cancel(session_id)
+        self._figures.pop(api, None)
+        log.error("API process %d is gone; cancelled its %d sessions", api, len(sessions))
 
     def _submit(self, api: int, fields: list[Any]) -> list[Any]:
         request = wire.decode_request(fields)
@@ -228,7 +249,8 @@ class EngineCoreProc:
             return
         self._input.close(0)
         for out in self._outputs:
-            out.close()  # LINGER: the last outputs still go out
+            if out is not None:
+                out.close()  # LINGER: the last outputs still go out
         self._ctx.term()
 
     # ------------------------------------------- from the engine core and codec threads
@@ -241,11 +263,19 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ output thread
 
+    def _new_output(self, address: str) -> zmq.Socket:
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
+        out.setsockopt(zmq.LINGER, 1000)
+        out.connect(address)
+        return out
+
     def _send_outputs(self) -> None:
         while True:
             with self._cond:
-                while not self._outbox and not self._stopping:
+                while not self._outbox and not self._stopping and not self._reset_outputs:
                     self._cond.wait()
+                resets, self._reset_outputs = self._reset_outputs, set()
                 items, self._outbox = self._outbox, []
                 stopping = self._stopping
                 batches: dict[int, list[list[Any]]] = {}
@@ -254,6 +284,14 @@ class EngineCoreProc:
                     if api is None:
                         continue  # released or never ours: its client has gone
                     batches.setdefault(api, []).append(wire.encode_output(session_id, item))
+            for api in resets:
+                # A dead API process's socket: what it queued is for sessions that no longer exist, and a send
+                # to it would block this thread at the high-water mark. Nothing is sent there again (the
+                # server stops: api/api_processes.py).
+                out = self._outputs[api]
+                if out is not None:
+                    out.close(0)
+                    self._outputs[api] = None
             if not self._engine_dead_sent and not self._runtime.engine_alive:
                 # Every API process learns at once (its /ready, its submits), whoever's sessions failed.
                 self._engine_dead_sent = True
@@ -261,8 +299,11 @@ class EngineCoreProc:
                 for api in range(len(self._outputs)):
                     batches.setdefault(api, []).append(wire.encode_output("", SessionDone("engine_dead", error=failure)))
             for api, batch in batches.items():
+                out = self._outputs[api]
+                if out is None:
+                    continue
                 # Blocks at the high-water mark: an API process that does not read holds this thread, and
                 # flow control then holds the sessions (their delivery notes stop).
-                self._outputs[api].send(wire.pack(batch))
+                out.send(wire.pack(batch))
             if stopping:
                 return

@@ -7,8 +7,12 @@ fields. Each message is one msgpack array whose first item names its kind.
 API process -> engine core (a DEALER per API process -> the core's ROUTER):
 
     [CALL_SUBMIT, seq, api, request...]    answered: [seq, OK] or [seq, FULL|INVALID|UNAVAILABLE, message, extra]
-    [CALL_STATS, seq]                      answered: [seq, OK, stats...]
-    [NOTES, [[session_id, samples], ...], [cancelled session_id, ...]]   not answered, batched per loop pass
+    [CALL_STATS, seq]                      answered: [seq, OK, stats..., [[api, figures], ...]]
+    [NOTES, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
+                                           not answered, batched per loop pass
+    [FIGURES, api, {request and gateway counters}]   not answered: an API process's own counters, for the
+                                           others' /v1/stats (server.api_processes > 1), sent when they change
+    [API_GONE, api]                        not answered: API process `api` died; its sessions are cancelled
 
 engine core -> API process `api` (a PUSH per API process -> its PULL):
 
@@ -30,6 +34,8 @@ from .step import SamplingParams
 CALL_SUBMIT = 1
 CALL_STATS = 2
 NOTES = 3
+FIGURES = 5
+API_GONE = 6
 
 OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s

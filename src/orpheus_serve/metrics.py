@@ -12,6 +12,12 @@ Two sources feed it:
 
 Nothing registers into prometheus_client's global registry, so several apps
 (tests, benchmarks) can live in one process.
+
+With more than one API process (server.api_processes) each process's own
+counters and histograms (`samples()`) travel with its other counters through
+the engine core (api/api_processes.py); `render()` then adds the other
+processes' samples to this one's (`peer_samples`), so a scrape of any process
+sees the whole server. The engine gauges are the core's, the same everywhere.
 """
 
 from __future__ import annotations
@@ -123,7 +129,15 @@ class ServingMetrics:
                                 ["finish_reason"], registry=r)
         self.requests = Counter("orpheus:requests", "Requests seen by the gateway, by protocol and outcome.",
                                 ["protocol", "status"], registry=r)
-        r.register(_ServiceStatsCollector(snapshot, gateway_figures))
+        self._own: list[Counter | Histogram] = [
+            self.time_to_first_audio, self.time_to_first_byte, self.queue_time, self.e2e_latency,
+            self.real_time_factor, self.audio_seconds, self.requests_queued, self.requests_rejected, self.finished,
+            self.requests]
+        self._service_collector = _ServiceStatsCollector(snapshot, gateway_figures)
+        r.register(self._service_collector)
+        # Set with more than one API process: the other processes' counters as they last sent them
+        # (stats.api_process_figures: their `samples()` under "metrics", their gateway figures under "gateway").
+        self.peer_figures: Callable[[], list[Mapping[str, Any]]] | None = None
 
     # ------------------------------------------------ service observer interface
 
@@ -163,5 +177,51 @@ class ServingMetrics:
     def first_byte(self, protocol: str, seconds: float) -> None:
         self.time_to_first_byte.labels(protocol).observe(seconds)
 
+    def samples(self) -> list[list[Any]]:
+        """This process's own counters and histograms: [[family, [[sample, labels, value], ...]], ...]
+        (plain values, for msgpack); `_created` timestamps are left out (they do not add up)."""
+        return [[family.name, [[sample.name, sample.labels, sample.value] for sample in family.samples
+                               if not sample.name.endswith("_created")]]
+                for metric in self._own for family in metric.collect()]
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.peer_figures is None:
+            return generate_latest(self.registry)
+        return generate_latest(_MergedRegistry(self, self.peer_figures()))
+
+
+class _MergedRegistry:
+    """What `generate_latest` needs of a registry: this process's families with the other API processes'
+    samples added, the gateway's gauges summed, and the engine gauges (the core's) once."""
+
+    def __init__(self, metrics: ServingMetrics, peers: list[Mapping[str, Any]]) -> None:
+        self._metrics = metrics
+        self._peers: dict[str, list[list[Any]]] = {}
+        for figures in peers:
+            for name, family_samples in figures["metrics"]:
+                self._peers.setdefault(name, []).extend(family_samples)
+            gateway = figures["gateway"]
+            self._peers.setdefault("orpheus:open_connections", []).append(
+                ["orpheus:open_connections", {}, gateway["open_connections"]])
+            for protocol, count in gateway["active_streams"].items():
+                self._peers.setdefault("orpheus:active_streams", []).append(
+                    ["orpheus:active_streams", {"protocol": protocol}, count])
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._metrics._service_collector.collect():
+            yield self._merged(family) if family.name in self._peers else family
+        for metric in self._metrics._own:
+            for family in metric.collect():
+                yield self._merged(family)
+
+    def _merged(self, family: Metric) -> Metric:
+        totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for sample in family.samples:
+            totals[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        for name, labels, value in self._peers.get(family.name, ()):
+            key = (name, tuple(sorted(labels.items())))
+            totals[key] = totals.get(key, 0.0) + value
+        merged = Metric(family.name, family.documentation, family.type, family.unit)
+        for (name, labels), value in totals.items():
+            merged.add_sample(name, dict(labels), value)
+        return merged

@@ -32,6 +32,15 @@ client ran, and `engine_alive` turns True again; without restart, `fatal` is
 set and the server exits non-zero. `shutdown()` asks the core to stop after
 the service has drained, then joins it (terminate, then kill, if it does not
 go).
+
+More API processes (server.api_processes > 1, api/api_processes.py): API
+process 0 owns the core as above; API process i > 0 uses `MPClient.attach()`:
+the same sockets (its own output address, `outputs[i]`) to the same core, no
+process of its own. It learns of the core's death and restart from API process
+0 (`core_down()` / `core_up()`) and never kills or restarts the core itself.
+Every API process sends its own request and gateway counters (`figures_source`)
+to the core when they change, at most every `_FIGURES_S`; the core returns all of
+them with each stats answer (`api_figures`), so each /v1/stats can sum them.
 """
 
 from __future__ import annotations
@@ -39,9 +48,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import select
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
@@ -65,6 +77,7 @@ _WARMUP_S = 120.0  # a restarted core's warm-up session
 # something outside it is wrong, and each restart would fail every stream once more.
 _CRASH_LOOP_RESTARTS = 3
 _CRASH_LOOP_S = 300.0
+_FIGURES_S = 0.25  # how often an API process's counters may go to the core (when they changed)
 
 
 class CoreStartError(RuntimeError):
@@ -74,14 +87,20 @@ class CoreStartError(RuntimeError):
 class MPClient:
     """The EngineCoreClient protocol over ZeroMQ to an engine-core process (see the module docstring)."""
 
-    def __init__(self, config: Config, *, api_index: int = 0) -> None:
+    def __init__(self, config: Config, *, api_index: int = 0, addresses: CoreAddresses | None = None) -> None:
         self._config = config
         self._api = api_index
         self._timeout_s = config.server.core_call_timeout_s
-        self._dir = Path(tempfile.mkdtemp(prefix="orpheus-core-"))
-        self._addresses = CoreAddresses(
-            input=f"ipc://{self._dir}/input",
-            outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
+        # Owner: this client starts, watches and restarts the core (API process 0); otherwise it was attached
+        # to the core of another API process, which tells it when the core dies and comes back.
+        self._owner = addresses is None
+        self._dir: Path | None = None
+        if addresses is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="orpheus-core-"))
+            addresses = CoreAddresses(
+                input=f"ipc://{self._dir}/input",
+                outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
+        self._addresses = addresses
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         self._calls: zmq.Socket | None = None
@@ -109,6 +128,40 @@ class MPClient:
         self._deaths: list[float] = []  # monotonic times the core died, within _CRASH_LOOP_S
         # Set when the core died and will not be started again: the server exits non-zero.
         self.fatal = asyncio.Event()
+        # API process 0 tells the others: ("down", reason) when the core died, ("up", CoreInfo) once restarted.
+        self.core_listeners: list[Callable[[str, Any], None]] = []
+        # This API process's own counters (server.api_processes > 1), and every API process's, as of the
+        # core's last stats answer: api index -> figures.
+        self.figures_source: Callable[[], dict[str, Any]] | None = None
+        self.api_figures: dict[int, dict[str, Any]] = {}
+        self._figures_sent: dict[str, Any] | None = None
+        self._figures_task: asyncio.Task[None] | None = None
+        # (An attached client) readable once the core process has exited (Linux pidfd): a call in flight gives
+        # up at once instead of at its timeout, before API process 0's notice arrives.
+        self._core_fd: int | None = None
+
+    @classmethod
+    def attach(cls, config: Config, addresses: CoreAddresses, info: CoreInfo, *, api_index: int) -> MPClient:
+        """A client of API process `api_index` > 0 for the running core of API process 0."""
+        client = cls(config, api_index=api_index, addresses=addresses)
+        client._pull = client._actx.socket(zmq.PULL)
+        client._pull.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
+        client._pull.setsockopt(zmq.LINGER, 0)
+        client._pull.bind(addresses.outputs[api_index])
+        client.info = info
+        client._follow(info.pid)
+        client._open_calls()
+        client._alive = client._serving = True
+        try:
+            client._last_stats = client._stats_call()
+        except BaseException:
+            client._close_transport()
+            raise
+        return client
+
+    @property
+    def addresses(self) -> CoreAddresses:
+        return self._addresses
 
     # ------------------------------------------------------------ start-up
 
@@ -171,7 +224,26 @@ class MPClient:
 
     @property
     def core_pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        if self._process is not None:
+            return self._process.pid
+        return self.info.pid if self.info is not None else None
+
+    def _core_running(self) -> bool:
+        if self._owner:
+            return self._process is not None and self._process.is_alive()
+        if self._core_fd is not None and select.select([self._core_fd], [], [], 0)[0]:
+            return False
+        return self._alive
+
+    def _follow(self, pid: int) -> None:
+        if self._core_fd is not None:
+            os.close(self._core_fd)
+            self._core_fd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self._core_fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                log.warning("the engine core (process %d) is gone already; API process 0's notice follows", pid)
 
     # ------------------------------------------------------------ the protocol
 
@@ -180,17 +252,75 @@ class MPClient:
         return self._serving and self._engine_failure is None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._process is None:
+        if self._owner and self._process is None:
             raise RuntimeError("MPClient.start() before launch()")
+        if self._loop is not None:
+            return  # started already (an API process's server starts its service once)
         self._loop = loop
         self._reader = loop.create_task(self._read_outputs(), name="engine-core-outputs")
         self._reader.add_done_callback(self._reader_done)
-        self._watch(self._process)
+        if self.figures_source is not None:
+            self._figures_task = loop.create_task(self._send_figures(), name="api-figures")
+        if self._process is not None:
+            self._watch(self._process)
+
+    async def _send_figures(self) -> None:
+        """This API process's counters to the core, when they changed (at most every _FIGURES_S)."""
+        assert self.figures_source is not None
+        while True:
+            figures = self.figures_source()
+            if figures != self._figures_sent and self._alive and self._calls is not None:
+                try:
+                    self._calls.send(wire.pack([wire.FIGURES, self._api, figures]), zmq.NOBLOCK)
+                    self._figures_sent = figures
+                except zmq.Again:
+                    pass  # the core's input queue is full; the next pass sends them
+            await asyncio.sleep(_FIGURES_S)
+
+    def api_gone(self, api_index: int) -> None:
+        """Tell the core that API process `api_index` died (API process 0 supervises the others)."""
+        if self._calls is not None and self._alive:
+            self._flush_notes()
+            try:
+                self._calls.send(wire.pack([wire.API_GONE, api_index]), zmq.NOBLOCK)
+            except zmq.Again:
+                log.error("the engine core's input queue is full; it was not told that API process %d is gone",
+                          api_index)
+
+    def core_down(self, reason: str) -> None:
+        """(An attached client) API process 0 saw the core die: fail the open streams, refuse new ones."""
+        self._core_lost(reason)
+
+    def core_up(self, info: CoreInfo) -> None:
+        """(An attached client) the core was started again and warmed up: serve again."""
+        if self._stopping:
+            return
+        self._open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
+        self.info = info
+        self._follow(info.pid)
+        self.restarts += 1  # API process 0 counts the same restarts
+        self._figures_sent = None  # the new core has none of them yet
+        self._engine_failure = self._core_failure = None
+        self._alive = self._serving = True
+        log.warning("the engine core is back (process %d)", info.pid)
+
+    def _tell(self, event: str, detail: Any) -> None:
+        for listener in self.core_listeners:
+            listener(event, detail)
 
     def shutdown(self) -> None:
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
+        if self._figures_task is not None:
+            self._figures_task.cancel()
+        if not self._owner:  # the core is API process 0's; it stops it once every API process has drained
+            self._flush_notes()
+            self._alive = self._serving = False
+            if self._reader is not None:
+                self._reader.cancel()
+            self._close_transport()
+            return
         process = self._process
         if process is not None:
             if self._loop is not None and not self._loop.is_closed():
@@ -219,7 +349,11 @@ class MPClient:
                 sock.close(0)
         self._ctx.term()
         self._actx.term()
-        shutil.rmtree(self._dir)
+        if self._core_fd is not None:
+            os.close(self._core_fd)
+            self._core_fd = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir)
 
     def submit(self, request: SessionRequest) -> None:
         if not self._serving:
@@ -280,7 +414,8 @@ class MPClient:
         return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
 
     def _stats_call(self) -> EngineCoreStats:
-        _, values = self._call(wire.CALL_STATS)
+        _, values, figures = self._call(wire.CALL_STATS)
+        self.api_figures = dict(figures)
         stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
         if stats.engine_failure is not None:
             self._engine_failure = stats.engine_failure
@@ -306,9 +441,10 @@ class MPClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 message = f"the engine core did not answer within {timeout:g} s"
-                if not self._stopping and self._process is not None and self._process.is_alive():
+                if not self._stopping and self._owner and self._core_running():
                     # Its input thread answers at once whatever the engine does: silence means it is stuck.
                     # Treated as dead: killed, its streams failed, and started again (see _on_process_exit).
+                    assert self._process is not None
                     log.error("%s; killing it (process %d)", message, self._process.pid)
                     self._process.kill()
                 raise ServiceUnavailableError(message)
@@ -317,7 +453,7 @@ class MPClient:
                 if reply[0] == seq:
                     return reply[1:]
                 continue  # the late answer to an earlier call that timed out
-            if self._process is None or not self._process.is_alive():
+            if not self._core_running():
                 raise ServiceUnavailableError("the engine-core process has died")
 
     def _schedule_flush(self) -> None:
@@ -360,6 +496,8 @@ class MPClient:
         error = task.exception()
         log.error("the engine-core output handler failed: %r", error)
         self._core_lost(f"the engine core's output handler failed: {error!r}")
+        if not self._owner:  # the core is fine; this process is not: it stops, and API process 0 with it
+            self.fatal.set()
 
     # ------------------------------------------------------------ supervision
 
@@ -387,6 +525,9 @@ class MPClient:
         for mailbox in self._mailboxes.values():
             mailbox.put_nowait(SessionDone(reason="unavailable", error=reason))
         self._delivered, self._cancels, self._releases = {}, [], []
+        if not self._owner:
+            return  # API process 0 restarts the core, and says when it is back (core_up)
+        self._tell("down", reason)
         now = time.monotonic()
         self._deaths = [t for t in self._deaths if now - t < _CRASH_LOOP_S] + [now]
         if not self._config.server.restart_core:
@@ -410,6 +551,7 @@ class MPClient:
             assert self._process is not None
             self._watch(self._process)
             self._alive = True
+            self._figures_sent = None  # the new core has none of this process's counters yet
             self._engine_failure = None
             await self._warm_up()
             self._serving = True
@@ -425,6 +567,7 @@ class MPClient:
             return
         self._core_failure = None
         log.warning("engine core restarted (process %d)", self.core_pid)
+        self._tell("up", self.info)
 
     async def _warm_up(self) -> None:
         """Run the first session this client ever ran again, as the service's warm-up did at start."""

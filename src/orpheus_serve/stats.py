@@ -10,6 +10,9 @@ Prometheus gauge share.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -158,3 +161,52 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "audio_seconds_per_s": round(tally.audio_seconds / uptime, 4),
         },
     }
+
+
+def api_process_figures(tally: RequestTally, gateway: Mapping[str, Any], metrics: list[Any]) -> dict[str, Any]:
+    """One API process's own counters, as it sends them to the engine core for the others' /v1/stats
+    (and, `metrics`: its Prometheus counters and histograms, for their /metrics)."""
+    return {"pid": os.getpid(), "cpu_s": round(time.process_time(), 3), "requests": tally.as_dict(),
+            "audio_seconds": tally.audio_seconds, "tokens": tally.tokens,
+            "gateway": {key: value for key, value in gateway.items() if key != "uptime_s"}, "metrics": metrics}
+
+
+def _sum_into(total: dict[str, Any], part: Mapping[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(value, Mapping):
+            _sum_into(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0) + value
+
+
+def merge_api_processes(snapshot: dict[str, Any], own_index: int, figures: Mapping[int, Mapping[str, Any]]) -> None:
+    """Sum the request and gateway counters of every API process into one /v1/stats snapshot
+    (server.api_processes > 1). `figures` holds each process's own counters (api_process_figures), this
+    one's fresh, the others' as they last sent them to the engine core (up to a fraction of a second old).
+    The engine part of the snapshot is the core's, the same for all, and stays as it is."""
+    requests: dict[str, Any] = {}
+    gateway: dict[str, Any] = {}
+    audio_seconds = 0.0
+    tokens = 0
+    cpu_s = 0.0
+    rows = []
+    for index in sorted(figures):
+        part = figures[index]
+        _sum_into(requests, part["requests"])
+        _sum_into(gateway, part["gateway"])
+        audio_seconds += part["audio_seconds"]
+        tokens += part["tokens"]
+        cpu_s += part["cpu_s"]
+        rows.append({"index": index, "pid": part["pid"], "cpu_s": part["cpu_s"], "requests": part["requests"],
+                     "gateway": part["gateway"]})
+    snapshot["requests"] = requests
+    snapshot["gateway"] = {"uptime_s": snapshot["gateway"]["uptime_s"], **gateway}
+    throughput = snapshot["throughput"]
+    throughput["audio_seconds_total"] = round(audio_seconds, 3)
+    throughput["tokens_total"] = tokens
+    throughput["audio_seconds_per_s"] = round(audio_seconds / max(throughput["uptime_s"], 1e-9), 4)
+    # CPU time of the whole server: every API process's (each as of its last report) and the core's.
+    process = snapshot["process"]
+    process["cpu_s"] = round(cpu_s + process["engine_core_cpu_s"], 3)
+    snapshot["api_process_index"] = own_index
+    snapshot["api_processes"] = rows

@@ -44,6 +44,7 @@ from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_o
 from ..config import Config
 from ..metrics import ServingMetrics
 from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
+from ..stats import merge_api_processes
 from ..synthesis import (
     PROTOCOLS,
     AudioChunk,
@@ -166,6 +167,9 @@ class Gateway:
         # Set by the server that owns the HTTP listener: resets the connection of an ASGI scope's
         # `client` (host, port); True if it found one. None: stalled clients only get a graceful close.
         self.connection_resetter: Callable[[Any], bool] | None = None
+        # Set by a server with more than one API process (server.api_processes): this process's index and
+        # every API process's own counters, which /v1/stats sums (stats.merge_api_processes).
+        self.api_processes: Callable[[], tuple[int, dict[int, dict[str, Any]]]] | None = None
 
     def close(self) -> None:
         """Release the encoding threads (after the listeners are closed)."""
@@ -325,6 +329,9 @@ class Gateway:
     def stats(self) -> dict[str, Any]:
         """The service's snapshot plus the gateway's figures and the process's CPU time (GET /v1/stats)."""
         snapshot = {**self.service.stats(), "gateway": self.figures()}
+        if self.api_processes is not None:  # server.api_processes > 1: every API process's counters, summed
+            own_index, figures = self.api_processes()
+            merge_api_processes(snapshot, own_index, figures)
         # CPU seconds of the whole server process (all threads): benchmarks difference two snapshots.
         snapshot.setdefault("process", {"pid": os.getpid(), "cpu_s": round(time.process_time(), 3),
                                         "threads": threading.active_count()})

@@ -232,9 +232,12 @@ class GrpcGateway:
         self.gateway = gateway
         max_message = gateway.config.server.max_body_bytes
         self._auth = ApiKeyInterceptor(gateway)
+        # Several API processes (server.api_processes) share the port; otherwise a second server on the same
+        # port is an error, not a silent split of the traffic.
+        reuse_port = int(gateway.config.server.api_processes > 1)
         self.server = grpc.aio.server(
             interceptors=[self._auth],
-            options=[("grpc.max_receive_message_length", max_message), ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", max_message), ("grpc.so_reuseport", reuse_port)],
         )
         self.service_names: list[str] = []
         self.add_service(SERVICE_NAME, synthesizer_handlers(SynthesizerService(gateway)),

@@ -2,6 +2,8 @@
 
 With `server.engine_process` the service's engine core runs in a process of its own, which this
 one starts and supervises (mp_client.py); if it dies for good the server stops with exit code 1.
+With `server.api_processes` > 1 this process (API process 0) also starts and supervises the other
+API processes, each an OrpheusServer of its own on the same ports (api_processes.py).
 
 Start-up order: bind both ports (so /health answers and /ready says
 `warming_up` at once), then `service.start()` warms the model, then /ready and
@@ -26,13 +28,15 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import uvicorn
 
 from ..config import Config
+from ..mp_client import MPClient
+from ..stats import api_process_figures
 from .cartesia import add_cartesia_route
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
@@ -42,6 +46,7 @@ from .websocket import WebSocketProtocol
 
 if TYPE_CHECKING:
     from ..service import TTSService
+    from .api_processes import ApiProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +63,12 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int, send_buffer_bytes: int | None = None) -> socket.socket:
+def _bind(host: str, port: int, send_buffer_bytes: int | None = None, *, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # several API processes on one port (server.api_processes): the kernel spreads connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     if send_buffer_bytes:
         # Inherited by every accepted connection. Without it the kernel grows a connection's send buffer
         # to megabytes (a minute and more of PCM) for a client that does not read: memory the flow control
@@ -81,14 +88,19 @@ def tiny_model_banner(info: Any) -> str:
 
 
 class OrpheusServer:
-    def __init__(self, config: Config, service: TTSService | None = None) -> None:
+    def __init__(self, config: Config, service: TTSService | None = None, *, api_index: int = 0) -> None:
         if service is None:
             from ..service import TTSService
 
             service = TTSService.from_config(config)
         self.config = config
         self.service = service
+        self.api_index = api_index
         self.gateway = Gateway(service, config)
+        self._api_group: ApiProcessGroup | None = None
+        client = getattr(service, "client", None)
+        if config.server.api_processes > 1 and isinstance(client, MPClient):
+            self._share_counters(client)
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
         add_cartesia_route(self.app, self.gateway)
@@ -98,8 +110,27 @@ class OrpheusServer:
         self._uvicorn_task: asyncio.Task[None] | None = None
         self._grpc: GrpcGateway | None = None
         self._shutdown: asyncio.Task[None] | None = None
-        self.exit_code = 0  # 1 when the server stopped because its engine core died for good
+        self.exit_code = 0  # 1 when the server stopped because its engine core (or an API process) died
+        self._stop = asyncio.Event()  # set by SIGTERM/SIGINT or request_stop(): serve_until_signalled stops
 
+    def _share_counters(self, client: MPClient) -> None:
+        """Every API process's /v1/stats sums all of their counters (api_processes.py)."""
+        tally = self.service.tally
+        metrics = self.gateway.metrics
+
+        def own() -> dict[str, Any]:
+            return api_process_figures(tally, self.gateway.figures(), metrics.samples())
+
+        def every() -> tuple[int, dict[int, dict[str, Any]]]:
+            return self.api_index, {**client.api_figures, self.api_index: own()}
+
+        def peers() -> list[dict[str, Any]]:
+            client.stats()  # the core's latest copy of every process's counters
+            return [figures for index, figures in client.api_figures.items() if index != self.api_index]
+
+        client.figures_source = own
+        self.gateway.api_processes = every
+        metrics.peer_figures = peers
     @property
     def host(self) -> str:
         return self.config.server.host
@@ -110,7 +141,8 @@ class OrpheusServer:
         info = self.service.model_info
         if info.tiny:
             log.warning(tiny_model_banner(info))
-        sock = _bind(server_cfg.host, server_cfg.http_port, server_cfg.socket_send_buffer_bytes)
+        sock = _bind(server_cfg.host, server_cfg.http_port, server_cfg.socket_send_buffer_bytes,
+                     reuse_port=server_cfg.api_processes > 1)
         self.http_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(
             self.app, log_level=server_cfg.log_level, log_config=None, lifespan="off", ws=WebSocketProtocol,
@@ -152,6 +184,14 @@ class OrpheusServer:
         if self._uvicorn_task is None:
             await self.open_listeners()
         assert self._uvicorn_task is not None and self._grpc is not None
+        client = getattr(self.service, "client", None)
+        if self.api_index == 0 and self.config.server.api_processes > 1 and isinstance(client, MPClient):
+            # The other API processes warm up first: once this one is ready, all are.
+            from .api_processes import ApiProcessGroup
+
+            assert self.http_port is not None and self.grpc_port is not None
+            self._api_group = ApiProcessGroup(self.config, client)
+            await self._api_group.start(self.http_port, self.grpc_port)
         await self.service.start()
         # Starlette streams every response through anyio, whose asyncio backend loads on first use: load it
         # now rather than inside the first client's time to first byte (hundreds of ms on a busy disk).
@@ -174,6 +214,11 @@ class OrpheusServer:
         self.gateway.shutting_down = True
         if self._grpc is not None:
             await self._grpc.set_serving(False)
+        if self._api_group is not None:
+            # This process's streams go on meanwhile; the core stops only after every API process is done.
+            started = asyncio.get_running_loop().time()
+            await self._api_group.stop(grace)
+            grace = max(0.0, grace - (asyncio.get_running_loop().time() - started))
         await self.service.shutdown(grace)
         # The service has finished or cancelled every session; let the gateway write what is left.
         if not await self.gateway.wait_idle(_LISTENER_CLOSE_S):
@@ -197,10 +242,15 @@ class OrpheusServer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
-    async def serve_until_signalled(self) -> None:
-        """Serve until SIGTERM or SIGINT, then shut down gracefully (the production entry point)."""
+    def request_stop(self) -> None:
+        """Begin the graceful stop of `serve_until_signalled` (as SIGTERM does)."""
+        self._stop.set()
+
+    async def serve_until_signalled(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully (the production entry point).
+        `on_ready` is called once the server serves."""
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = self._stop
 
         def on_signal(sig: signal.Signals) -> None:
             if stop.is_set():
@@ -215,9 +265,13 @@ class OrpheusServer:
         fatal: asyncio.Event | None = getattr(self.service.client, "fatal", None)
         try:
             async with self:
+                if on_ready is not None:
+                    on_ready()
                 waits = [asyncio.ensure_future(stop.wait())]
                 if fatal is not None:
                     waits.append(asyncio.ensure_future(fatal.wait()))
+                if self._api_group is not None:
+                    waits.append(asyncio.ensure_future(self._api_group.failed.wait()))
                 try:
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -225,6 +279,9 @@ class OrpheusServer:
                         waiting.cancel()
                 if fatal is not None and fatal.is_set():
                     log.critical("the engine core is gone and is not restarted; stopping with exit code 1")
+                    self.exit_code = 1
+                if self._api_group is not None and self._api_group.failed.is_set():
+                    log.critical("an API process died; stopping with exit code 1")
                     self.exit_code = 1
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
