@@ -337,16 +337,21 @@ async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, 
                                   "text_chunks": m.text_chunks, "finish_reason": m.finish_reason}
                 result.request_id = m.request_id
     except grpc.aio.AioRpcError as exc:
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE and not result.chunks and "connect" in (exc.details() or "").lower():
-            return result._fail("error", f"cannot connect to {address}: {exc.details()} (is the server running?)",
-                                "connect")
-        status = "rejected" if code in _REJECTED_GRPC else "error"
-        return result._fail(status, f"gRPC {code.name}: {exc.details()}", code.name)
+        return _grpc_failure(result, address, exc)
     finally:
         if own_channel:
             await chan.close()
     return result
+
+
+def _grpc_failure(result: ClientResult, address: str, exc: grpc.aio.AioRpcError) -> ClientResult:
+    """A failed call as the result's status: cannot connect, rejected (retry later) or an error."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE and not result.chunks and "connect" in (exc.details() or "").lower():
+        return result._fail("error", f"cannot connect to {address}: {exc.details()} (is the server running?)",
+                            "connect")
+    status = "rejected" if code in _REJECTED_GRPC else "error"
+    return result._fail(status, f"gRPC {code.name}: {exc.details()}", code.name)
 
 
 # Riva's AudioEncoding values for the formats it carries (riva_audio.proto).
@@ -387,12 +392,7 @@ async def synthesize_riva(address: str, text: str, *, voice: str | None = None, 
             if key == "x-request-id":
                 result.request_id = value
     except grpc.aio.AioRpcError as exc:
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE and not result.chunks and "connect" in (exc.details() or "").lower():
-            return result._fail("error", f"cannot connect to {address}: {exc.details()} (is the server running?)",
-                                "connect")
-        status = "rejected" if code in _REJECTED_GRPC else "error"
-        return result._fail(status, f"gRPC {code.name}: {exc.details()}", code.name)
+        return _grpc_failure(result, address, exc)
     finally:
         if own_channel:
             await chan.close()
