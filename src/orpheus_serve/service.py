@@ -184,13 +184,20 @@ class TTSService:
         live: list[str] = []  # session ids submitted and not yet fully drained
         reported = False  # the request's outcome has been told to the observers
         run = _Run(received)
+
+        def start(chunk: TextChunk | None) -> str | None:
+            """Submit `chunk` if it has something to say (a flush marker has not); its session id."""
+            if chunk is None or not chunk.text:
+                return None
+            session = self._submit_chunk(req, chunk, run)
+            live.append(session)
+            return session
+
         try:
             current = await self._next_chunk(text)
             if count:
                 self._notify("on_request_queued", req.request_id)
-            session_id = self._submit_chunk(req, current, run) if current is not None and current.text else None
-            if session_id is not None:
-                live.append(session_id)
+            session_id = start(current)
             k = 0
             while current is not None:
                 start_sample = run.samples
@@ -206,9 +213,7 @@ class TTSService:
                             item = await _first_of(outputs, text)
                             if item is None:
                                 following = text.take()
-                                if following is not None and following.text:
-                                    following_id = self._submit_chunk(req, following, run)
-                                    live.append(following_id)
+                                following_id = start(following)
                                 continue
                         else:
                             item = await outputs.get()
@@ -244,9 +249,7 @@ class TTSService:
                         if following is None:
                             # Generation of this chunk is done; admit the next now, while this audio still plays.
                             following = text.take()
-                            if following is not None and following.text:
-                                following_id = self._submit_chunk(req, following, run)
-                                live.append(following_id)
+                            following_id = start(following)
                     live.remove(session_id)
                     self._client.release(session_id)
                     metrics.text_chunks += 1
@@ -258,9 +261,7 @@ class TTSService:
                 current, session_id = following, following_id
                 if current is None:
                     current = await self._next_chunk(text)
-                    if current is not None and current.text:
-                        session_id = self._submit_chunk(req, current, run)
-                        live.append(session_id)
+                    session_id = start(current)
             metrics.samples = run.samples
             metrics.audio_seconds = run.samples / protocol.SAMPLE_RATE
             metrics.wall_s = time.monotonic() - received
