@@ -20,7 +20,7 @@ from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.protocol import SAMPLES_PER_FRAME
 from orpheus_serve.service import TTSService
 from orpheus_serve.synthesis import AudioChunk, SynthesisMetrics, SynthesisRequest
-from tests.gateway_support import settled_stats, sim_config, start_server
+from tests.gateway_support import settled_stats, sim_config, start_server, wait_for
 
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
 
@@ -399,4 +399,48 @@ def test_a_websocket_client_that_stops_reading_is_cut_off_and_the_server_goes_on
                     assert json.loads(message).get("done") is True, message
                     break
     finally:
+        server.stop()
+
+
+# ------------------------------------------------------------ a gateway that cannot keep up
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["one-process", "engine-process"])
+def test_a_starved_gateway_closes_admission_and_ready_says_so_until_it_recovers(
+        tiny_orpheus: Path, engine_process: bool) -> None:
+    """The engine core has room, but the API process's event loop is starved (blocked 300 ms in every
+    320, as a process without CPU time is): audio would reach its sockets late, so admission closes
+    (`reject`: 503 at once), /ready says saturated, and both recover once the loop runs freely again."""
+    server = start_server(sim_config(tiny_orpheus, **{
+        "scheduler.admission": "reject", "server.engine_process": engine_process,
+    }))
+    starving = threading.Event()
+    starving.set()
+
+    def starve() -> None:
+        while starving.is_set():
+            server.loop.call_soon_threadsafe(time.sleep, 0.3)  # the loop's thread holds on, as if preempted
+            time.sleep(0.32)
+
+    try:
+        url = f"{server.base_url}/v1/audio/speech"
+        with httpx.Client(timeout=60.0) as http:
+            assert http.post(url, json={"input": "Warm up.", "max_tokens": 140}).status_code == 200
+            assert http.get(f"{server.base_url}/v1/stats").json()["flow"]["gateway_lag_ms"] < 150
+            starver = threading.Thread(target=starve, daemon=True)
+            starver.start()
+            wait_for(lambda: http.get(f"{server.base_url}/v1/stats").json()["flow"]["gateway_lag_ms"] > 150,
+                     20.0, "the gateway's lag is reported")
+            ready = http.get(f"{server.base_url}/ready")
+            refused = http.post(url, json={"input": "Me too.", "max_tokens": 140})
+            starving.clear()
+            starver.join()
+            assert ready.status_code == 503, ready.text
+            assert ready.json()["status"] == "saturated"
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "server_busy"
+            wait_for(lambda: http.get(f"{server.base_url}/ready").status_code == 200, 20.0, "/ready recovers")
+            assert http.post(url, json={"input": "Back again.", "max_tokens": 140}).status_code == 200
+    finally:
+        starving.clear()
         server.stop()

@@ -54,6 +54,9 @@ class SchedulerConfig(_Strict):
     admission: Literal["queue", "reject", "slots"] = "queue"
     admission_headroom: float = Field(0.15, ge=0, le=4)  # admit while streams run this much faster than real time
     first_chunk_safety: float = Field(1.5, ge=1, le=10)  # first audio covers this many times the next frame's wait
+    # A gateway (API process) whose event loop runs this late cannot hand audio out in time: admission closes
+    # until it catches up (0: never). Its loop lag is measured every 50 ms and smoothed over a few ticks.
+    max_gateway_lag_ms: float = Field(150.0, ge=0)
 
     @model_validator(mode="after")
     def _whole_frames(self) -> SchedulerConfig:

@@ -6,6 +6,7 @@ service talks to the engine core only through `EngineCoreClient`:
     submit(SessionRequest)        queue a session (the scheduler's AdmissionError if refused)
     outputs(session_id)           its outputs, in order, on the event loop: PCM bytes, then SessionDone
     note_delivered(id, samples)   the consumer took audio (flow control's delivery feedback)
+    note_loop_lag(seconds)        how late this process's event loop runs (admission closes past a bound)
     cancel(session_id)            stop it; its slot is freed at the next step
     release(session_id)           forget its outputs (after its end, or once cancelled)
     stats()                       typed figures: EngineCoreStats
@@ -110,6 +111,7 @@ class EngineCoreClient(Protocol):
     def submit(self, request: SessionRequest) -> None: ...
     def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]: ...
     def note_delivered(self, session_id: str, samples: int) -> None: ...
+    def note_loop_lag(self, seconds: float) -> None: ...
     def cancel(self, session_id: str) -> None: ...
     def release(self, session_id: str) -> None: ...
     def open_sessions(self) -> list[str]: ...
@@ -188,6 +190,10 @@ class CoreRuntime:
 
     def note_delivered(self, session_id: str, samples: int) -> None:
         self.scheduler.note_delivered(session_id, samples)
+
+    def note_gateway_lag(self, api_index: int, seconds: float) -> None:
+        self.scheduler.note_gateway_lag(api_index, seconds)
+        self._core.wake()  # queued sessions may be admitted again
 
     def wake(self) -> None:
         self._core.wake()
@@ -284,6 +290,9 @@ class InprocClient:
     def note_delivered(self, session_id: str, samples: int) -> None:
         self._runtime.note_delivered(session_id, samples)
         self._runtime.wake()
+
+    def note_loop_lag(self, seconds: float) -> None:
+        self._runtime.note_gateway_lag(0, seconds)
 
     def cancel(self, session_id: str) -> None:
         self._runtime.cancel(session_id)

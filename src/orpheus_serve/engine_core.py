@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .codec.base import CodecPush
@@ -71,7 +71,7 @@ DEAD_AFTER_LONE_FAILURES = 2
 class CodecSink(Protocol):
     """What the engine core needs from the codec worker."""
 
-    def submit(self, push: CodecPush) -> None: ...
+    def submit_many(self, pushes: Sequence[CodecPush]) -> None: ...
 
     def close_session(self, key: str) -> None: ...
 
@@ -248,16 +248,22 @@ class EngineCore:
             log.critical("the engine is dead (%s); refusing new requests until the server is restarted", reason)
 
     def _dispatch(self, events: list[SchedulerEvent]) -> None:
+        pushes = []
         for event in events:
             if isinstance(event, FramesReady):
-                self._codec.submit(CodecPush(event.request_id, event.frames, event.final))
+                pushes.append(CodecPush(event.request_id, event.frames, event.final))
                 if self._on_frames is not None:
                     self._on_frames(event)
                 continue
             if isinstance(event, SessionFinished) and event.reason not in ("stop", "length"):
-                # No final push will come: drop the codec's state for it (queued behind its pushes).
+                # No final push will come: drop the codec's state for it, after the pushes before this event.
+                if pushes:
+                    self._codec.submit_many(pushes)
+                    pushes = []
                 self._codec.close_session(event.request_id)
             self._on_event(event)
+        if pushes:
+            self._codec.submit_many(pushes)  # one wake-up of the codec thread per step
 
 
 def _slots_of(plan: StepPlan) -> set[int]:

@@ -173,6 +173,9 @@ class EngineCoreProc:
         if kind == wire.FIGURES:
             self._figures[message[1]] = message[2]
             return False
+        if kind == wire.LOOP_LAG:
+            self._runtime.note_gateway_lag(message[1], message[2])
+            return False
         if kind == wire.API_GONE:
             self._api_gone(message[1])
             return False

@@ -13,6 +13,7 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
     [FIGURES, api, {request and gateway counters}]   not answered: an API process's own counters, for the
                                            others' /v1/stats (server.api_processes > 1), sent when they change
     [API_GONE, api]                        not answered: API process `api` died; its sessions are cancelled
+    [LOOP_LAG, api, seconds]               not answered: how late API process `api`'s event loop runs (every 50 ms)
 
 engine core -> API process `api` (a PUSH per API process -> its PULL):
 
@@ -36,6 +37,7 @@ CALL_STATS = 2
 NOTES = 3
 FIGURES = 5
 API_GONE = 6
+LOOP_LAG = 7
 
 OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s

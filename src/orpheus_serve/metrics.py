@@ -84,6 +84,9 @@ class _ServiceStatsCollector(Collector):
                              ("server_buffer", flow.paused_server_buffer)):
             paused.add_metric([cause], count)
         yield paused
+        yield GaugeMetricFamily("orpheus:gateway_lag_seconds",
+                                "How late the most lagging API process's event loop runs (smoothed).",
+                                value=flow.gateway_lag_ms / 1000)
         yield GaugeMetricFamily("orpheus:saturated", "1 while the pipeline is behind or full (/ready is 503).",
                                 value=1.0 if snapshot.saturation is not None else 0.0)
         gateway = self._gateway_figures()

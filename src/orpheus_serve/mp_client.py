@@ -46,6 +46,7 @@ them with each stats answer (`api_figures`), so each /v1/stats can sum them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -387,6 +388,12 @@ class MPClient:
     def note_delivered(self, session_id: str, samples: int) -> None:
         self._delivered[session_id] = self._delivered.get(session_id, 0) + samples
         self._schedule_flush()
+
+    def note_loop_lag(self, seconds: float) -> None:
+        if self._calls is not None and self._alive:
+            # A full input queue at the core drops this report: the next tick's replaces it anyway.
+            with contextlib.suppress(zmq.Again):
+                self._calls.send(wire.pack([wire.LOOP_LAG, self._api, seconds]), zmq.NOBLOCK)
 
     def cancel(self, session_id: str) -> None:
         self._cancels.append(session_id)

@@ -210,8 +210,12 @@ class FrameParser:
             return None
         if not AUDIO_TOKEN_BASE <= token_id < AUDIO_VOCAB_END:
             raise ProtocolError(f"token {token_id} at audio position {self.position} is not an audio token")
-        self._pending.append(token_to_code(token_id, self.position))
-        self.position += 1
+        position = self.position
+        code = token_id - AUDIO_TOKEN_BASE - (position % TOKENS_PER_FRAME) * CODEBOOK_SIZE
+        if not 0 <= code < CODEBOOK_SIZE:  # (token_to_code, inlined: this runs for every generated id)
+            token_to_code(token_id, position)  # raises with the slot's range
+        self._pending.append(code)
+        self.position = position + 1
         if len(self._pending) == TOKENS_PER_FRAME:
             frame = np.asarray(self._pending, dtype=np.int64)
             self._pending.clear()

@@ -20,6 +20,11 @@ every chunk the consumer takes from `synthesize` is reported as delivered
 (the gateway consumes only as fast as the client's socket takes bytes), and
 the scheduler holds back sessions that run too far ahead of their client.
 
+The service also measures how late its own event loop runs (`_watch_loop_lag`)
+and tells the engine core: a gateway too busy to hand audio out in time closes
+admission however fast the engine is (DESIGN §5a's "admit what can stay
+real-time" includes the gateway).
+
 The service counts nothing itself: observers (the request tally behind
 `/v1/stats`, the Prometheus metrics) hear of every request's progress and
 outcome. Wiring lives in service_builder.py.
@@ -64,6 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LOOP_LAG_TICK_S = 0.05  # how often the event loop's lag is measured and reported
+LOOP_LAG_SMOOTHING = 0.5  # weight of the newest tick: one late tick (a GC pause) does not close admission
+
 
 class ServiceObserver(Protocol):
     """Hears of every counted request: started, then invalid, rejected, or queued -> first audio ->
@@ -93,6 +101,7 @@ class TTSService:
         self._started_at = time.monotonic()
         self.ready = False
         self.accepting = False
+        self._lag_watch: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: Config, *, record_tokens: bool = False) -> TTSService:
@@ -106,6 +115,7 @@ class TTSService:
     async def start(self, *, warmup: bool = True) -> None:
         self._idle.set()
         self._client.start(asyncio.get_running_loop())
+        self._lag_watch = asyncio.create_task(self._watch_loop_lag(), name="loop-lag")
         self.accepting = True
         if warmup:
             warm = SynthesisRequest(text="Hello.", voice=protocol.DEFAULT_VOICE, max_tokens=28, temperature=0.0,
@@ -124,7 +134,21 @@ class TTSService:
                 await asyncio.wait_for(self._idle.wait(), grace)
         for session_id in self._client.open_sessions():
             self._client.cancel(session_id)
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
+            self._lag_watch = None
         self._client.shutdown()
+
+    async def _watch_loop_lag(self) -> None:
+        """Every LOOP_LAG_TICK_S: how much later than asked this loop woke up, smoothed, to the engine core."""
+        loop = asyncio.get_running_loop()
+        smoothed = 0.0
+        while True:
+            due = loop.time() + LOOP_LAG_TICK_S
+            await asyncio.sleep(LOOP_LAG_TICK_S)
+            lag = max(0.0, loop.time() - due)
+            smoothed = (1 - LOOP_LAG_SMOOTHING) * smoothed + LOOP_LAG_SMOOTHING * lag
+            self._client.note_loop_lag(smoothed)
 
     def add_observer(self, observer: ServiceObserver) -> None:
         self._observers.append(observer)

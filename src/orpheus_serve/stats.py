@@ -82,10 +82,14 @@ class RequestTally:
 
 def saturation(core: EngineCoreStats, config: Config) -> str | None:
     """Why the pipeline is behind (for /ready), or None: the codec's oldest undecoded frame is older
-    than server.ready_max_backlog_s, or admission is closed and no request could wait for it."""
+    than server.ready_max_backlog_s, an API process's event loop lags past scheduler.max_gateway_lag_ms,
+    or admission is closed and no request could wait for it."""
     if core.codec_oldest_pending_s > config.server.ready_max_backlog_s:
         return f"codec backlog: oldest undecoded frame is {core.codec_oldest_pending_s:.1f} s old"
     flow = core.flow
+    lag_limit_ms = config.scheduler.max_gateway_lag_ms
+    if lag_limit_ms and flow.gateway_lag_ms > lag_limit_ms:
+        return f"gateway behind: its event loop runs {flow.gateway_lag_ms:.0f} ms late"
     if not flow.admission_open:
         if config.scheduler.admission == "reject":
             return f"at capacity: {flow.demand_streams} of {flow.capacity_streams} real-time streams"

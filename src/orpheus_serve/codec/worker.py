@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -174,26 +174,39 @@ class CodecWorker:
     def submit(self, push: CodecPush) -> None:
         """Queue a push; returns at once (pushes queued before `start` wait for it).
         Raises ValueError for malformed frames, RuntimeError once the worker is stopping."""
-        frames = check_frames(push.frames)
+        self.submit_many((push,))
+
+    def submit_many(self, pushes: Sequence[CodecPush]) -> None:
+        """Queue pushes in order, as `submit` does, under one lock and with one wake-up of the worker
+        (the engine core hands over one step's pushes at once). A push that raises leaves the ones
+        before it queued."""
+        checked = [(push, check_frames(push.frames)) for push in pushes]
+        now = time.monotonic()
         with self._cond:
-            if self._stopping:
-                raise RuntimeError("codec worker is stopping")
-            if push.key in self._closed:
-                self._counters.dropped_pushes += 1
-                self._counters.dropped_frames += int(frames.shape[0])
-                return
-            entry = self._pending.get(push.key)
-            if entry is None:
-                entry = self._pending[push.key] = _Pending()
-            elif entry.final:
-                raise ValueError(f"push for session {push.key!r} after its final push")
-            if frames.shape[0]:
-                entry.frames.append(frames)
-                entry.arrived.append(time.monotonic())
-                entry.count += int(frames.shape[0])
-            entry.final = entry.final or push.final
-            entry.pushes += 1
-            self._cond.notify()
+            try:
+                for push, frames in checked:
+                    self._queue(push, frames, now)
+            finally:
+                self._cond.notify()
+
+    def _queue(self, push: CodecPush, frames: np.ndarray, now: float) -> None:
+        if self._stopping:
+            raise RuntimeError("codec worker is stopping")
+        if push.key in self._closed:
+            self._counters.dropped_pushes += 1
+            self._counters.dropped_frames += int(frames.shape[0])
+            return
+        entry = self._pending.get(push.key)
+        if entry is None:
+            entry = self._pending[push.key] = _Pending()
+        elif entry.final:
+            raise ValueError(f"push for session {push.key!r} after its final push")
+        if frames.shape[0]:
+            entry.frames.append(frames)
+            entry.arrived.append(now)
+            entry.count += int(frames.shape[0])
+        entry.final = entry.final or push.final
+        entry.pushes += 1
 
     def close_session(self, key: Hashable) -> None:
         """Cancel a session (see module doc). Safe from any thread, any number of times."""

@@ -9,8 +9,13 @@ neighbour):
     codec pass          pass_s = e + f * frames
 
 A stream runs dry when its steps are slow for a while, not on average, so the
-step time admission plans with is the fit plus its jitter (the spread of the
-measured periods around it: the interpreter lock, the gateway's bursts).
+step time admission plans with is the fit plus its jitter: the spread of the
+measured periods around it (the interpreter lock, the gateway's bursts, a noisy
+neighbour), taken over a frame's worth of consecutive steps. A stream needs 7
+steps per frame and its client holds at least a frame, so a single slow period
+that the next ones make up for costs nothing; a run of slow periods does, and
+the mean error over 7 steps keeps all of such a run while it averages away
+lone spikes (by up to √7 when they are independent).
 
 `step_s` is the whole period of the engine core loop around one step
 (schedule, engine step, update, dispatch): what a stream really waits between
@@ -53,20 +58,27 @@ _CTX_SCALE = 1e-4
 _PREFILL_SCALE = 1e-2
 _RIDGE = 1e-6  # keeps the solve defined before the features vary; negligible once they do
 _MIN_OBSERVATIONS = 8
+_SOLVE_EVERY = 8  # observations between two solves: one per step would cost the engine core ~30 us a step
 
 
 class _OnlineLinearFit:
     """Exponentially weighted least squares with non-negative slopes, and the spread of what it
-    does not explain (`jitter`: the root mean square of its one-step-ahead errors)."""
+    does not explain (`jitter`: the root mean square of its one-step-ahead errors, each averaged
+    over `jitter_window` consecutive observations)."""
 
-    def __init__(self, n_features: int, forget: float) -> None:
+    def __init__(self, n_features: int, forget: float, *, jitter_window: int = 1) -> None:
         self._forget = forget
         self._xtx = np.zeros((n_features, n_features))
         self._xty = np.zeros(n_features)
         self._weight = 0.0
         self.observations = 0
         self._coef: np.ndarray | None = None
-        self._square_error = 0.0  # exponentially weighted mean of squared prediction errors
+        self._unsolved = 0  # observations added since the last solve
+        self._jitter_window = jitter_window
+        self._window_forget = forget**jitter_window  # the same fading per observation as the fit's
+        self._window_error = 0.0  # errors summed over the window being filled
+        self._window_count = 0
+        self._square_error = 0.0  # exponentially weighted mean of squared window-mean errors
 
     @property
     def jitter(self) -> float:
@@ -75,22 +87,28 @@ class _OnlineLinearFit:
     def add(self, x: np.ndarray, y: float) -> None:
         coef = self.coef
         if coef is not None:
-            error = y - float(coef @ x)
-            self._square_error = self._forget * self._square_error + (1 - self._forget) * error * error
+            self._window_error += y - float(coef @ x)
+            self._window_count += 1
+            if self._window_count == self._jitter_window:
+                mean = self._window_error / self._jitter_window
+                self._square_error = self._window_forget * self._square_error + (1 - self._window_forget) * mean * mean
+                self._window_error = 0.0
+                self._window_count = 0
         self._xtx *= self._forget
         self._xty *= self._forget
         self._weight = self._weight * self._forget + 1.0
         self._xtx += np.outer(x, x)
         self._xty += x * y
         self.observations += 1
-        self._coef = None
+        self._unsolved += 1
 
     @property
     def coef(self) -> np.ndarray | None:
         if self.observations < _MIN_OBSERVATIONS:
             return None
-        if self._coef is None:
+        if self._coef is None or self._unsolved >= _SOLVE_EVERY:
             self._coef = self._solve()
+            self._unsolved = 0
         return self._coef
 
     def _solve(self) -> np.ndarray:
@@ -143,7 +161,7 @@ class CapacityModel:
         self.probe_factor = probe_factor
         self.probe_min = probe_min
         self.settle_s = settle_s
-        self._engine = _OnlineLinearFit(4, forget)
+        self._engine = _OnlineLinearFit(4, forget, jitter_window=TOKENS_PER_FRAME)
         self._codec = _OnlineLinearFit(2, forget)
         self._max_streams_seen = 0  # the most streams held for settle_s at least
         self._recent_loads: deque[tuple[float, int]] = deque()  # (time, streams), a sliding window's minima

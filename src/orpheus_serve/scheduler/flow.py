@@ -16,6 +16,12 @@ into the scheduler's decisions:
   plus finished ones whose last frames the codec has not decoded yet (with a
   fast engine and a slow codec a stream's generation ends long before its
   decoding). `admission: slots` turns this off (bulk synthesis).
+- Gateway lag (`gateway_lag`): each API process reports how late its event
+  loop runs. Past `max_gateway_lag_ms` it cannot hand audio to its sockets in
+  time, whatever the engine sustains, so admission closes (new streams queue,
+  or are refused in `reject` mode) until it catches up. Without this, a starved
+  API process would look like a crowd of slow readers, whom demand does not
+  count, and admission would open wider the further behind it fell.
 - First push sizing (`first_push_frames`): its audible part covers
   `first_chunk_safety` times the wait for the next frame (7 token intervals plus
   the codec's latency) at the measured load.
@@ -37,6 +43,8 @@ from .capacity import CapacityEstimate, CapacityModel
 from .flush import FlushPolicy
 from .session import Session, SessionState
 
+GATEWAY_LAG_STALE_S = 2.0  # a gateway's lag report counts this long (they come every 50 ms)
+
 
 @dataclass(frozen=True, slots=True)
 class FlowStats:
@@ -49,6 +57,7 @@ class FlowStats:
     demand_streams: int  # admitted sessions that need real-time production (paused slow readers excluded)
     draining_streams: int  # of those, finished generating, last frames still at the codec
     admission_open: bool  # a new session would be admitted now
+    gateway_lag_ms: float  # the most any API process's event loop lags (smoothed), as last reported
     predicted_step_ms: float | None
     predicted_codec_pass_ms: float | None
     paused_codec: int  # sessions waiting for the codec to catch up
@@ -100,6 +109,8 @@ class FlowControl:
         self._first_push_last: int | None = None
         self._first_push_total = 0
         self._first_push_count = 0
+        self._gateway_lags: dict[int, tuple[float, float]] = {}  # API process -> (lag s, clock when reported)
+        self._gateway_lag_s = 0.0  # the largest of them not older than GATEWAY_LAG_STALE_S
 
     # ------------------------------------------------------------ measurements
 
@@ -113,6 +124,16 @@ class FlowControl:
 
     def observe_codec_pass(self, frames: int, seconds: float) -> None:
         self.capacity.observe_codec_pass(frames, seconds)
+
+    def gateway_lag(self, source: int, seconds: float, now: float) -> None:
+        """API process `source`'s event loop runs `seconds` late (smoothed by the reporter)."""
+        self._gateway_lags[source] = (seconds, now)
+        self._gateway_lag_s = max(lag for lag, _ in self._gateway_lags.values())
+
+    @property
+    def gateway_behind(self) -> bool:
+        limit_ms = self.config.max_gateway_lag_ms
+        return self.feedback and limit_ms > 0 and self._gateway_lag_s * 1000 > limit_ms
 
     # ------------------------------------------------------------ backpressure
 
@@ -178,6 +199,13 @@ class FlowControl:
             assert session.admitted_s is not None
             if now - session.admitted_s > self.config.session_timeout_s:
                 del self.draining[request_id]
+        if self._gateway_lags:
+            # An API process that stopped reporting has exited (its sessions were cancelled): forget it.
+            stale = [s for s, (_, at) in self._gateway_lags.items() if now - at > GATEWAY_LAG_STALE_S]
+            for source in stale:
+                del self._gateway_lags[source]
+            if stale:
+                self._gateway_lag_s = max((lag for lag, _ in self._gateway_lags.values()), default=0.0)
 
     # ------------------------------------------------------------ admission
 
@@ -188,17 +216,22 @@ class FlowControl:
         return len(self.draining) + sum(1 for s in admitted if s.server_buffered_s <= limit)
 
     def admission_limit(self, admitted: Collection[Session], step: int) -> int | None:
-        """Streams admission allows now; None: by slots alone (`admission: slots`, or no feedback)."""
+        """Streams admission allows now; None: by slots alone (`admission: slots`, or no feedback).
+        While a gateway lags, no more than run now."""
         if not self.feedback or self.config.admission == "slots":
             return None
-        return self.estimate(admitted, step).max_streams
+        limit = self.estimate(admitted, step).max_streams
+        return min(limit, self.demand(admitted)) if self.gateway_behind else limit
 
     def reject_limit(self, admitted: Collection[Session], step: int) -> int | None:
         """`admission: reject` refuses past the measured capacity only: while a cold server ramps up to
-        what it has not measured yet, requests wait."""
+        what it has not measured yet, requests wait. While a gateway lags, it refuses."""
         if not self.feedback or self.config.admission != "reject":
             return None
-        return self.estimate(admitted, step).measured_streams
+        measured = self.estimate(admitted, step).measured_streams
+        if self.gateway_behind:
+            return self.demand(admitted) if measured is None else min(measured, self.demand(admitted))
+        return measured
 
     def admission_waited(self) -> None:
         self._waits += 1
@@ -244,6 +277,7 @@ class FlowControl:
             demand_streams=demand,
             draining_streams=len(self.draining),
             admission_open=limit is None or demand < limit,
+            gateway_lag_ms=round(self._gateway_lag_s * 1000, 1),
             predicted_step_ms=estimate.step_ms,
             predicted_codec_pass_ms=estimate.codec_pass_ms,
             paused_codec=reasons["codec"],

@@ -34,8 +34,8 @@ queue` waits, `reject` refuses at submit, `slots` admits by free slots); the
 first push is sized from the measured load. The engine core reports each loop
 period (`record_step_time`), the codec each pass (`record_codec_pass`) and
 each session's decoded frames (`note_decoded`), the service what each client
-took (`note_delivered`); the playback model, and so the `deadline` policy,
-runs on delivered audio.
+took (`note_delivered`) and how late its event loop runs (`note_gateway_lag`);
+the playback model, and so the `deadline` policy, runs on delivered audio.
 
 Events (`events.py`) are what the caller acts on: FramesReady for the codec,
 SessionFinished / SessionFailed for the client. Events that arise outside
@@ -255,23 +255,25 @@ class Scheduler:
                 self._slots.free(slot)
             plan.release, self._pending_release = self._pending_release, []
 
+            # One pass over the live sessions: this runs every step for every stream.
             decoding = []
+            held_back = self._flow.held_back
+            decoding_state = SessionState.DECODING
             for session in self._admitted.values():
-                if session.state is SessionState.DECODING and not self._flow.held_back(session, now):
+                if session.state is decoding_state and not held_back(session, now):
                     decoding.append(session)
-            chosen = self._policy.select(decoding, self._batch_limit, now)
-            plan.decode = sorted(s.slot for s in chosen if s.slot is not None)
-
-            self._plan_prefill(plan, now)
-            context = sum(s.prompt_len + s.generated for s in chosen)
-            prefill = sum(c.end - c.start for c in plan.prefill)
-            self._plan_load = (plan, len(plan.decode), context, prefill, len(self._admitted))
-
-            for session in self._admitted.values():
+                # Priority changes (first audio out) go to engines that order their own batches.
                 priority = session.engine_priority
                 if session.reported_priority != priority and session.slot is not None:
                     plan.priority[session.slot] = priority
                     session.reported_priority = priority
+            chosen = self._policy.select(decoding, self._batch_limit, now)
+            plan.decode = sorted([s.slot for s in chosen])  # a decoding session holds a slot
+
+            self._plan_prefill(plan, now)
+            context = sum([len(s.request.prompt_ids) + s.generated for s in chosen])
+            prefill = sum(c.end - c.start for c in plan.prefill)
+            self._plan_load = (plan, len(plan.decode), context, prefill, len(self._admitted))
             return plan
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SchedulerEvent]:
@@ -353,6 +355,12 @@ class Scheduler:
             session = self._admitted.get(request_id)
             if session is not None:
                 session.record_delivery(self._clock(), samples)
+
+    def note_gateway_lag(self, source: int, seconds: float) -> None:
+        """API process `source`'s event loop runs `seconds` late (admission closes past
+        `max_gateway_lag_ms`)."""
+        with self._lock:
+            self._flow.gateway_lag(source, seconds, self._clock())
 
     def client_held_s(self, request_ids: list[str]) -> list[float]:
         """Audio each client holds unplayed (0 before first audio and for ended sessions), for the codec's
@@ -483,17 +491,18 @@ class Scheduler:
 
         frames: list[np.ndarray] = []
         outcome: str | None = None
+        parser = session.parser
         for token in ids:
             session.generated += 1
             self._total_tokens += 1
             try:
-                frame = session.parser.feed(token)
+                frame = parser.feed(token)
             except ProtocolError as exc:
                 self._fail(session, f"protocol error: {exc}", now, events)
                 return
             if frame is not None:
                 frames.append(frame)
-            if session.parser.ended:
+            if parser.ended:
                 outcome = "stop"
                 break
             if session.generated >= session.token_limit:
@@ -501,11 +510,11 @@ class Scheduler:
                 break
         # Ids past the end (an engine that streams ahead) are dropped with the session.
         if frames:
-            session.buffer.add(np.stack(frames))
+            session.buffer.add(frames[0][None] if len(frames) == 1 else np.stack(frames))
             self._flow.frames_added(session)
         if outcome is not None:
             self._complete(session, outcome, now, events)
-        else:
+        elif session.buffer.pending_frames:  # (with nothing pending no push can be due: most steps)
             if session.first_frames is None and session.buffer.pending_frames >= self._flush_policy.first_frames:
                 session.first_frames = self._flow.first_push_frames(len(self._admitted))
             held_s = None if session.playback_end_s is None else session.playback_end_s - now
