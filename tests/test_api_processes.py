@@ -196,9 +196,57 @@ def test_two_api_processes_share_the_ports_stats_core_deaths_and_a_drain(tiny_or
         launched.stop()
 
 
-def test_an_api_process_that_dies_has_its_sessions_cancelled_and_stops_the_server(tiny_orpheus: Path,
-                                                                                  tmp_path: Path) -> None:
-    launched = _launch(tiny_orpheus, tmp_path, **{"server.shutdown_grace_s": 2.0})
+def test_an_api_process_that_dies_is_started_again_while_the_others_streams_go_on(tiny_orpheus: Path,
+                                                                                 tmp_path: Path) -> None:
+    launched = _launch(tiny_orpheus, tmp_path)
+    try:
+        assert launched.process is not None
+        dead = _stats_of_each(launched)[1]["api_processes"][1]["pid"]
+
+        async def streams_then_kill() -> int:
+            started = [asyncio.Event() for _ in range(12)]  # all on one process: 1 in 2,048
+            streams = [asyncio.ensure_future(_ws_until_error(launched.url, event)) for event in started]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            await asyncio.to_thread(wait_for, lambda: all(n > 0 for n in _per_process(_stats(launched), "active")),
+                                    10, "both processes stream")
+            on_survivor = _per_process(_stats(launched), "active")[0]
+            os.kill(dead, signal.SIGKILL)
+            # The dead process's connections break at once; the survivor's streams (25 s of audio) go on.
+            broken, going_on = await asyncio.wait(streams, timeout=8)
+            for stream in broken:
+                assert stream.exception() is not None  # the connection dropped, no "error" message on it
+            for stream in going_on:
+                stream.cancel()
+            assert len(going_on) == on_survivor, (len(going_on), on_survivor)
+            return len(broken)
+
+        assert asyncio.run(streams_then_kill()) > 0
+
+        def restarted() -> bool:
+            rows = _stats(launched)["api_processes"]
+            return len(rows) == 2 and rows[1]["pid"] not in (None, dead)
+
+        wait_for(restarted, 90, "API process 1 started again")
+        assert launched.process.poll() is None  # the server never stopped
+        # The new process serves audio: the core sends to its index again.
+        before = _per_process(_stats_of_each(launched)[0], "requests_completed")
+        results = _burst(launched, 4)
+        for result in results:
+            assert result.status == "ok" and result.chunks and result.audio_bytes, (result.protocol, result.error)
+        wait_for(lambda: sum(_per_process(_stats(launched), "requests_completed")) == sum(before) + 12, 10,
+                 "the burst counted")
+        after = _per_process(_stats(launched), "requests_completed")
+        assert after[1] > before[1], (before, after)  # all 12 on process 0: 1 in 4,096
+        log = (tmp_path / "server.log").read_text()
+        assert "API process 1 is gone; cancelled its" in log and "API process 1 is serving again" in log
+    finally:
+        launched.stop()
+
+
+def test_an_api_process_that_dies_with_restarts_off_has_its_sessions_cancelled_and_stops_the_server(
+        tiny_orpheus: Path, tmp_path: Path) -> None:
+    launched = _launch(tiny_orpheus, tmp_path, **{"server.shutdown_grace_s": 2.0,
+                                                  "server.restart_api_processes": "false"})
     try:
         assert launched.process is not None
         other = _stats_of_each(launched)[1]["api_processes"][1]["pid"]

@@ -13,6 +13,9 @@ from orpheus_serve.protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_serve.scheduler import FramesReady, Scheduler, SessionState
 from orpheus_serve.scheduler.capacity import CapacityModel
 from orpheus_serve.scheduler.errors import SchedulerFullError
+from orpheus_serve.scheduler.flow import FlowControl
+from orpheus_serve.scheduler.flush import FlushPolicy, FrameBuffer
+from orpheus_serve.scheduler.session import Session
 from tests.test_scheduler import FakeClock, HandModel, config, of_type, request
 
 A_MS, B_MS = 4.0, 0.05  # a known engine cost: step_ms = 4 + 0.05 * batch
@@ -209,6 +212,38 @@ def test_a_gateway_that_lags_closes_admission_until_it_catches_up(admission: str
     sched.note_gateway_lag(0, 0.010)
     sched.schedule()
     assert sched.flow_stats().admission_open and sched.flow_stats().gateway_lag_ms == 10.0
+
+
+def _flow_with_sessions(generated: list[int], typical: int) -> tuple[FlowControl, list[Session]]:
+    cfg = config()
+    policy = FlushPolicy.from_config(cfg)
+    flow = FlowControl(cfg, flush_policy=policy, batch_limit=16, num_slots=64, lookahead_samples=0, feedback=True,
+                       max_frames_per_pass=64, max_pass_s=None)
+    clock = FakeClock()
+    done = Session(request=request("done", clock, prompt_len=40), order=0, buffer=FrameBuffer(policy),
+                   token_limit=1400, generated=typical)
+    flow.finished(done)  # one finished session: streams run `typical` tokens
+    sessions = [Session(request=request(f"s{i}", clock, prompt_len=40), order=i + 1, buffer=FrameBuffer(policy),
+                        token_limit=1400, generated=g) for i, g in enumerate(generated)]
+    return flow, sessions
+
+
+def test_admission_plans_with_the_context_streams_admitted_together_will_reach() -> None:
+    """Ten streams admitted at once all grow to 40 + 330 tokens together: admission plans with that peak.
+    Ten of every age (steady state): old ones end as young ones grow, the total never exceeds today's."""
+    burst, young = _flow_with_sessions([0] * 10, typical=330)
+    assert burst.planning_context(young) == pytest.approx(40 + 330)
+    steady, staggered = _flow_with_sessions([33 * i for i in range(10)], typical=330)
+    # The peak is 33 tokens on, just before the oldest ends: today's mean (188.5) plus one spacing.
+    assert steady.planning_context(staggered) == pytest.approx(40 + 33 * 4.5 + 33)
+    # Half young, half near their end: the old ones' last 30 tokens outweigh the young ones' growth.
+    mixed, sessions = _flow_with_sessions([0] * 5 + [300] * 5, typical=330)
+    assert mixed.planning_context(sessions) == pytest.approx((5 * 70 + 5 * 370) / 10)
+    mixed, sessions = _flow_with_sessions([0] * 8 + [300] * 2, typical=330)  # mostly young: their end
+    assert mixed.planning_context(sessions) == pytest.approx((8 * 370) / 10)
+    # A stream past the typical length is expected to end now, not to grow without bound.
+    _, long_ones = _flow_with_sessions([500] * 4, typical=330)
+    assert burst.planning_context(long_ones) == pytest.approx(540)
 
 
 # ------------------------------------------------------------------ backpressure

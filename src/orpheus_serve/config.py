@@ -177,6 +177,7 @@ class ServerConfig(_Strict):
     # core (api/api_processes.py); more than 1 needs engine_process.
     api_processes: int = Field(1, ge=1, le=64)
     restart_core: bool = True  # start a dead engine-core process again; false: the server exits non-zero
+    restart_api_processes: bool = True  # start a dead API process (1..N-1) again; false: the server exits non-zero
     core_call_timeout_s: float = Field(5.0, gt=0)  # longest wait for the engine core's answer to a submit
 
     @model_validator(mode="after")

@@ -3,7 +3,7 @@
 As vLLM keeps `EngineCoreClient` between its API server and `EngineCore`, the
 service talks to the engine core only through `EngineCoreClient`:
 
-    submit(SessionRequest)        queue a session (the scheduler's AdmissionError if refused)
+    await submit(SessionRequest)  queue a session (the scheduler's AdmissionError if refused)
     outputs(session_id)           its outputs, in order, on the event loop: PCM bytes, then SessionDone
     note_delivered(id, samples)   the consumer took audio (flow control's delivery feedback)
     note_loop_lag(seconds)        how late this process's event loop runs (admission closes past a bound)
@@ -108,7 +108,7 @@ class EngineCoreClient(Protocol):
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
     def shutdown(self) -> None: ...
-    def submit(self, request: SessionRequest) -> None: ...
+    async def submit(self, request: SessionRequest) -> None: ...
     def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]: ...
     def note_delivered(self, session_id: str, samples: int) -> None: ...
     def note_loop_lag(self, seconds: float) -> None: ...
@@ -273,7 +273,7 @@ class InprocClient:
     def shutdown(self) -> None:
         self._runtime.shutdown()
 
-    def submit(self, request: SessionRequest) -> None:
+    async def submit(self, request: SessionRequest) -> None:
         fresh = request.request_id not in self._mailboxes  # else the scheduler refuses it: the id is in use
         if fresh:
             self._mailboxes[request.request_id] = asyncio.Queue()

@@ -111,12 +111,15 @@ class EngineCoreProc:
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(addresses.input)
         # The output thread's; None once the API process it feeds has died.
+        self._output_addresses = addresses.outputs
         self._outputs: list[zmq.Socket | None] = [self._new_output(address) for address in addresses.outputs]
         self._runtime = CoreRuntime(config, engine, decoder, self._post, codec_device=codec_device)
         self._cond = threading.Condition()
         self._outbox: list[tuple[str, SessionOutput]] = []
         self._owner: dict[str, int] = {}  # session id -> API process; guarded by _cond
         self._reset_outputs: set[int] = set()  # API processes that died: their PUSH sockets are closed
+        self._gone: set[int] = set()  # API processes that died and have not submitted since (main thread)
+        self._reopen_outputs: set[int] = set()  # started again: a fresh PUSH socket to their address
         # Each API process's own request and gateway counters (server.api_processes > 1): every API process's
         # /v1/stats sums them. Main thread only.
         self._figures: dict[int, dict[str, Any]] = {}
@@ -202,7 +205,9 @@ class EngineCoreProc:
             for session_id in sessions:
                 del self._owner[session_id]
             self._reset_outputs.add(api)
+            self._reopen_outputs.discard(api)
             self._cond.notify()
+        self._gone.add(api)
         for session_id in sessions:
             self._runtime.cancel(session_id)
         self._figures.pop(api, None)
@@ -210,6 +215,10 @@ class EngineCoreProc:
 
     def _submit(self, api: int, fields: list[Any]) -> list[Any]:
         request = wire.decode_request(fields)
+        if api in self._gone:  # started again in its place (api/api_processes.py): its outputs flow again
+            self._gone.discard(api)
+            with self._cond:
+                self._reopen_outputs.add(api)
         with self._cond:  # owner first: the engine core thread may post its first output before submit returns
             previous = self._owner.get(request.request_id)
             self._owner[request.request_id] = api
@@ -279,6 +288,7 @@ class EngineCoreProc:
                 while not self._outbox and not self._stopping and not self._reset_outputs:
                     self._cond.wait()
                 resets, self._reset_outputs = self._reset_outputs, set()
+                reopens, self._reopen_outputs = self._reopen_outputs, set()
                 items, self._outbox = self._outbox, []
                 stopping = self._stopping
                 batches: dict[int, list[list[Any]]] = {}
@@ -289,12 +299,15 @@ class EngineCoreProc:
                     batches.setdefault(api, []).append(wire.encode_output(session_id, item))
             for api in resets:
                 # A dead API process's socket: what it queued is for sessions that no longer exist, and a send
-                # to it would block this thread at the high-water mark. Nothing is sent there again (the
-                # server stops: api/api_processes.py).
+                # to it would block this thread at the high-water mark. Nothing is sent there again until a
+                # process started in its place submits (api/api_processes.py).
                 out = self._outputs[api]
                 if out is not None:
                     out.close(0)
                     self._outputs[api] = None
+            for api in reopens:
+                if self._outputs[api] is None:
+                    self._outputs[api] = self._new_output(self._output_addresses[api])
             if not self._engine_dead_sent and not self._runtime.engine_alive:
                 # Every API process learns at once (its /ready, its submits), whoever's sessions failed.
                 self._engine_dead_sent = True

@@ -8,14 +8,17 @@
 
 Messages are msgpack (engine_wire.py): ids, numbers and PCM bytes, nothing pickled.
 
-Admission stays synchronous, as in-process: `submit()` sends the request and
-waits for the core's answer (admitted, or the scheduler's own refusal:
-SchedulerFullError with its retry hint, InvalidSessionError, or
+Admission is answered before `submit()` returns, as in-process: it sends the
+request and awaits the core's answer (admitted, or the scheduler's own
+refusal: SchedulerFullError with its retry hint, InvalidSessionError, or
 ServiceUnavailableError once the engine is dead), at most
-`server.core_call_timeout_s`. The core answers from its input thread at once
-(the scheduler lock is held only for bookkeeping), so the loop waits one round
-trip, tens of microseconds; a submit is once per text chunk, not per token.
-The same holds for `stats()`. Delivery notes, cancels and releases are
+`server.core_call_timeout_s`. The loop does not block on it: the answer
+resolves a future (the call socket's descriptor is watched by the loop), so a
+burst of requests, admitted or refused, does not hold up the audio of the
+streams already playing while the core's input thread, which shares its
+interpreter with the engine core, gets round to answering (a fraction of a
+millisecond each, several under load). `stats()` is a blocking call (rare,
+small). Delivery notes, cancels and releases are
 fire-and-forget and batched: everything one loop pass produced goes in one
 message, before the next submit or stats call (so a cancel always reaches the
 core before a later submit).
@@ -74,10 +77,10 @@ log = logging.getLogger(__name__)
 
 _JOIN_S = 10.0  # the core's own shutdown (engine close, codec stop) before it is terminated
 _WARMUP_S = 120.0  # a restarted core's warm-up session
-# A core that dies more than this many times within _CRASH_LOOP_S is not started again (the server stops):
-# something outside it is wrong, and each restart would fail every stream once more.
-_CRASH_LOOP_RESTARTS = 3
-_CRASH_LOOP_S = 300.0
+# A core (or an API process, api/api_processes.py) that dies more than this many times within CRASH_LOOP_S is
+# not started again (the server stops): something outside it is wrong, and each restart fails streams again.
+CRASH_LOOP_RESTARTS = 3
+CRASH_LOOP_S = 300.0
 _FIGURES_S = 0.25  # how often an API process's counters may go to the core (when they changed)
 
 
@@ -109,6 +112,8 @@ class MPClient:
         self._process: multiprocessing.process.BaseProcess | None = None
         self.info: CoreInfo | None = None
         self._seq = 0
+        self._replies: dict[int, asyncio.Future[list[Any]]] = {}  # calls awaiting the core's answer, by seq
+        self._calls_fd: int | None = None  # the call socket's descriptor, watched by the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
@@ -126,7 +131,7 @@ class MPClient:
         self._warmup: SessionRequest | None = None
         self._stopping = False
         self.restarts = 0
-        self._deaths: list[float] = []  # monotonic times the core died, within _CRASH_LOOP_S
+        self._deaths: list[float] = []  # monotonic times the core died, within CRASH_LOOP_S
         # Set when the core died and will not be started again: the server exits non-zero.
         self.fatal = asyncio.Event()
         # API process 0 tells the others: ("down", reason) when the core died, ("up", CoreInfo) once restarted.
@@ -216,12 +221,43 @@ class MPClient:
 
     def _open_calls(self) -> None:
         if self._calls is not None:
+            self._unwatch_calls()
             self._calls.close(0)
+            self._fail_replies("the engine core was started again before it answered")
         self._calls = self._ctx.socket(zmq.DEALER)
         self._calls.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
         self._calls.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
         self._calls.setsockopt(zmq.LINGER, 0)
         self._calls.connect(self._addresses.input)
+        self._watch_calls()
+
+    def _watch_calls(self) -> None:
+        if self._loop is not None and self._calls is not None and self._calls_fd is None:
+            self._calls_fd = self._calls.getsockopt(zmq.FD)
+            self._loop.add_reader(self._calls_fd, self._take_replies)
+
+    def _unwatch_calls(self) -> None:
+        if self._calls_fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._calls_fd)
+        self._calls_fd = None
+
+    def _take_replies(self) -> None:
+        """Every answer waiting on the call socket, to its future. (ZeroMQ's descriptor signals edges, not
+        levels: this reads until nothing is left, and each call looks again before it waits.)"""
+        calls = self._calls
+        while calls is not None and calls.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._resolve(wire.unpack(calls.recv(zmq.NOBLOCK)))
+
+    def _resolve(self, reply: list[Any]) -> None:
+        future = self._replies.get(reply[0])
+        if future is not None and not future.done():
+            future.set_result(reply[1:])
+        # else: the late answer to a call that timed out, or that its caller gave up on
+
+    def _fail_replies(self, reason: str) -> None:
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(ServiceUnavailableError(reason))
 
     @property
     def core_pid(self) -> int | None:
@@ -258,6 +294,7 @@ class MPClient:
         if self._loop is not None:
             return  # started already (an API process's server starts its service once)
         self._loop = loop
+        self._watch_calls()
         self._reader = loop.create_task(self._read_outputs(), name="engine-core-outputs")
         self._reader.add_done_callback(self._reader_done)
         if self.figures_source is not None:
@@ -345,6 +382,7 @@ class MPClient:
         self._close_transport()
 
     def _close_transport(self) -> None:
+        self._unwatch_calls()
         for sock in (self._calls, self._pull):
             if sock is not None:
                 sock.close(0)
@@ -356,19 +394,21 @@ class MPClient:
         if self._dir is not None:
             shutil.rmtree(self._dir)
 
-    def submit(self, request: SessionRequest) -> None:
+    async def submit(self, request: SessionRequest) -> None:
         if not self._serving:
             raise ServiceUnavailableError(f"the engine core is not running: {self._core_failure}")
         if self._warmup is None:
             self._warmup = request
-        self._submit(request)
+        await self._submit(request)
 
-    def _submit(self, request: SessionRequest) -> None:
+    async def _submit(self, request: SessionRequest) -> None:
         try:
-            status, *detail = self._call(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
-        except ServiceUnavailableError:
-            # No answer in time: the core may still have queued it, for nobody. Cancel it there.
+            status, *detail = await self._acall(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
+        except (ServiceUnavailableError, asyncio.CancelledError):
+            # No answer in time, or its client left while waiting: the core may have admitted it, for
+            # nobody. Cancel it there, and let the core forget whom its outputs were for.
             self.cancel(request.request_id)
+            self._releases.append(request.request_id)
             raise
         if status == wire.OK:
             # The output handler cannot have read anything for it yet: it runs on this loop, after this call.
@@ -430,6 +470,46 @@ class MPClient:
 
     # ------------------------------------------------------------ transport
 
+    async def _acall(self, kind: int, *args: Any) -> list[Any]:
+        """`_call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
+        assert self._calls is not None and self._loop is not None
+        timeout = self._timeout_s
+        self._flush_notes()
+        self._seq += 1
+        seq = self._seq
+        try:
+            self._calls.send(wire.pack([kind, seq, *args]), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
+        future = self._replies[seq] = self._loop.create_future()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self._take_replies()  # an answer that came before the loop looked at the socket again
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._unanswered(timeout)
+                try:
+                    # Bounded waits: the process's death is noticed even if no answer ever comes.
+                    return await asyncio.wait_for(asyncio.shield(future), min(remaining, 0.1))
+                except TimeoutError:
+                    if not self._core_running():
+                        raise ServiceUnavailableError("the engine-core process has died") from None
+        finally:
+            del self._replies[seq]
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: a failure nobody waits for any more is not logged as lost
+
+    def _unanswered(self, timeout: float) -> ServiceUnavailableError:
+        message = f"the engine core did not answer within {timeout:g} s"
+        if not self._stopping and self._owner and self._core_running():
+            # Its input thread answers at once whatever the engine does: silence means it is stuck.
+            # Treated as dead: killed, its streams failed, and started again (see _on_process_exit).
+            assert self._process is not None
+            log.error("%s; killing it (process %d)", message, self._process.pid)
+            self._process.kill()
+        return ServiceUnavailableError(message)
+
     def _call(self, kind: int, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Send one call and wait for its answer (blocking the loop: one round trip to a core that
         answers from its input thread). ServiceUnavailableError if it cannot be sent, the core dies, or
@@ -447,19 +527,13 @@ class MPClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                message = f"the engine core did not answer within {timeout:g} s"
-                if not self._stopping and self._owner and self._core_running():
-                    # Its input thread answers at once whatever the engine does: silence means it is stuck.
-                    # Treated as dead: killed, its streams failed, and started again (see _on_process_exit).
-                    assert self._process is not None
-                    log.error("%s; killing it (process %d)", message, self._process.pid)
-                    self._process.kill()
-                raise ServiceUnavailableError(message)
+                raise self._unanswered(timeout)
             if self._calls.poll(int(min(remaining, 0.1) * 1000) + 1):
                 reply = wire.unpack(self._calls.recv())
                 if reply[0] == seq:
                     return reply[1:]
-                continue  # the late answer to an earlier call that timed out
+                self._resolve(reply)  # a submit's answer, or the late answer to a call that timed out
+                continue
             if not self._core_running():
                 raise ServiceUnavailableError("the engine-core process has died")
 
@@ -529,6 +603,7 @@ class MPClient:
         log.error("%s; failing %d open streams", reason, len(self._mailboxes))
         self._alive = self._serving = False
         self._core_failure = reason
+        self._fail_replies(reason)
         for mailbox in self._mailboxes.values():
             mailbox.put_nowait(SessionDone(reason="unavailable", error=reason))
         self._delivered, self._cancels, self._releases = {}, [], []
@@ -536,13 +611,13 @@ class MPClient:
             return  # API process 0 restarts the core, and says when it is back (core_up)
         self._tell("down", reason)
         now = time.monotonic()
-        self._deaths = [t for t in self._deaths if now - t < _CRASH_LOOP_S] + [now]
+        self._deaths = [t for t in self._deaths if now - t < CRASH_LOOP_S] + [now]
         if not self._config.server.restart_core:
             log.critical("server.restart_core is off: the server stops")
             self.fatal.set()
-        elif len(self._deaths) > _CRASH_LOOP_RESTARTS:
+        elif len(self._deaths) > CRASH_LOOP_RESTARTS:
             log.critical("the engine core died %d times within %.0f s; not starting it again: the server stops",
-                         len(self._deaths), _CRASH_LOOP_S)
+                         len(self._deaths), CRASH_LOOP_S)
             self.fatal.set()
         else:
             assert self._loop is not None
@@ -582,7 +657,7 @@ class MPClient:
             return
         request = replace(self._warmup, request_id=f"{self._warmup.request_id}-restart{self.restarts}",
                           arrival_s=time.monotonic())
-        self._submit(request)
+        await self._submit(request)
         try:
             await asyncio.wait_for(self._drain(request.request_id), _WARMUP_S)
         finally:

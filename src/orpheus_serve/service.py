@@ -209,11 +209,11 @@ class TTSService:
         reported = False  # the request's outcome has been told to the observers
         run = _Run(received)
 
-        def start(chunk: TextChunk | None) -> str | None:
+        async def start(chunk: TextChunk | None) -> str | None:
             """Submit `chunk` if it has something to say (a flush marker has not); its session id."""
             if chunk is None or not chunk.text:
                 return None
-            session = self._submit_chunk(req, chunk, run)
+            session = await self._submit_chunk(req, chunk, run)
             live.append(session)
             return session
 
@@ -221,7 +221,7 @@ class TTSService:
             current = await self._next_chunk(text)
             if count:
                 self._notify("on_request_queued", req.request_id)
-            session_id = start(current)
+            session_id = await start(current)
             k = 0
             while current is not None:
                 start_sample = run.samples
@@ -237,7 +237,7 @@ class TTSService:
                             item = await _first_of(outputs, text)
                             if item is None:
                                 following = text.take()
-                                following_id = start(following)
+                                following_id = await start(following)
                                 continue
                         else:
                             item = await outputs.get()
@@ -273,7 +273,7 @@ class TTSService:
                         if following is None:
                             # Generation of this chunk is done; admit the next now, while this audio still plays.
                             following = text.take()
-                            following_id = start(following)
+                            following_id = await start(following)
                     live.remove(session_id)
                     self._client.release(session_id)
                     metrics.text_chunks += 1
@@ -285,7 +285,7 @@ class TTSService:
                 current, session_id = following, following_id
                 if current is None:
                     current = await self._next_chunk(text)
-                    session_id = start(current)
+                    session_id = await start(current)
             metrics.samples = run.samples
             metrics.audio_seconds = run.samples / protocol.SAMPLE_RATE
             metrics.wall_s = time.monotonic() - received
@@ -326,7 +326,7 @@ class TTSService:
             await text.wait()
         return chunk
 
-    def _submit_chunk(self, req: SynthesisRequest, chunk: TextChunk, run: _Run) -> str:
+    async def _submit_chunk(self, req: SynthesisRequest, chunk: TextChunk, run: _Run) -> str:
         k = run.submitted
         run.submitted += 1
         session_id = f"{req.request_id}-{k}"
@@ -346,7 +346,7 @@ class TTSService:
         if self.token_log is not None:
             self.token_log.record(session_id, chunk.text, session.prompt_ids)
         try:
-            self._client.submit(session)
+            await self._client.submit(session)
         except AdmissionError as exc:  # the scheduler's refusal, in the service's terms
             if isinstance(exc, SchedulerFullError):
                 raise QueueFullError(str(exc), retry_after_s=exc.retry_after_s) from None

@@ -23,10 +23,14 @@ the one core:
   `engine_unavailable` error and whose /ready turns 503, and once the new core
   is warmed up (`up`) they open a fresh call socket (the ipc paths stay the
   same: their output sockets stay bound) and serve again.
-- **An API process dies**: process 0 tells the core, which cancels its
-  sessions and drops the outputs queued for it, and the server stops: the
-  other processes drain and process 0 exits with code 1 (the orchestrator
-  restarts the whole server; a half-served port is not hidden).
+- **An API process dies**: its clients' connections break with it; process 0
+  tells the core, which cancels its sessions and drops the outputs queued for
+  it, and starts a new process with the same index in its place (the kernel
+  sends new connections to the others meanwhile). The core sends to that
+  index again once the new process submits (its warm-up). More than
+  CRASH_LOOP_RESTARTS deaths within CRASH_LOOP_S, or
+  `server.restart_api_processes: false`, stop the server instead: the other
+  processes drain and process 0 exits with code 1, for the orchestrator.
 - **Shutdown**: SIGTERM/SIGINT to process 0 (or to the whole group) stops
   admission everywhere; the others drain their streams while process 0 drains
   its own, then process 0 stops the core.
@@ -48,16 +52,15 @@ import contextlib
 import logging
 import multiprocessing
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import Config
 from ..engine_proc import CoreAddresses, CoreInfo
-
-if TYPE_CHECKING:
-    from ..mp_client import MPClient
+from ..mp_client import CRASH_LOOP_RESTARTS, CRASH_LOOP_S, MPClient
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,11 @@ class ApiProcessGroup:
         self._processes: dict[int, tuple[multiprocessing.process.BaseProcess, Connection]] = {}
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Set when an API process died: the server stops with exit code 1.
+        self._config_data: dict[str, Any] = {}
+        self._deaths: list[float] = []  # monotonic times API processes died, within CRASH_LOOP_S
+        self._restarts: set[asyncio.Task[None]] = set()
+        self.restarts = 0
+        # Set when an API process died and is not started again: the server stops with exit code 1.
         self.failed = asyncio.Event()
 
     @property
@@ -87,20 +94,24 @@ class ApiProcessGroup:
         data = self._config.model_dump(mode="json")
         data["server"]["http_port"] = http_port
         data["server"]["grpc_port"] = grpc_port
-        assert self._client.info is not None
-        ctx = multiprocessing.get_context("spawn")
+        self._config_data = data
         for index in range(1, self._config.server.api_processes):
-            ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=run_api_process, name=f"orpheus-api-{index}", daemon=True,
-                                  args=(data, index, self._client.addresses, self._client.info, theirs))
-            process.start()
-            theirs.close()
-            self._processes[index] = (process, ours)
+            self._spawn(index)
         for index, (process, conn) in self._processes.items():
             await self._loop.run_in_executor(None, _wait_ready, index, process, conn)
             self._loop.add_reader(process.sentinel, self._on_exit, index)
         self._client.core_listeners.append(self._core_event)
         log.info("%d more API processes serving (pids %s)", len(self._processes), self.pids)
+
+    def _spawn(self, index: int) -> None:
+        assert self._client.info is not None
+        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_api_process, name=f"orpheus-api-{index}", daemon=True,
+            args=(self._config_data, index, self._client.addresses, self._client.info, theirs))
+        process.start()
+        theirs.close()
+        self._processes[index] = (process, ours)
 
     def _core_event(self, event: str, detail: Any) -> None:
         """The core died ("down", reason) or is back ("up", CoreInfo): tell every API process."""
@@ -118,10 +129,39 @@ class ApiProcessGroup:
         process.join(1.0)
         if self._stopping:
             return
-        log.critical("API process %d (pid %s) died with exit code %s; its streams are cancelled and the server "
-                     "stops", index, process.pid, process.exitcode)
         self._client.api_gone(index)
-        self.failed.set()
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < CRASH_LOOP_S] + [now]
+        if not self._config.server.restart_api_processes or len(self._deaths) > CRASH_LOOP_RESTARTS:
+            why = ("server.restart_api_processes is off" if not self._config.server.restart_api_processes else
+                   f"API processes died {len(self._deaths)} times within {CRASH_LOOP_S:.0f} s")
+            log.critical("API process %d (pid %s) died with exit code %s; its streams are cancelled and the server "
+                         "stops (%s)", index, process.pid, process.exitcode, why)
+            self.failed.set()
+            return
+        log.error("API process %d (pid %s) died with exit code %s; its streams are cancelled; starting it again",
+                  index, process.pid, process.exitcode)
+        task = self._loop.create_task(self._restart(index), name=f"api-process-{index}-restart")
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, index: int) -> None:
+        assert self._loop is not None
+        self._processes[index][1].close()
+        self._spawn(index)
+        process, conn = self._processes[index]
+        try:
+            await self._loop.run_in_executor(None, _wait_ready, index, process, conn)
+        except RuntimeError as exc:
+            if not self._stopping:
+                log.critical("API process %d could not be started again (%s); the server stops", index, exc)
+                self.failed.set()
+            return
+        if self._stopping:
+            return  # stop() sent it the stop request with the others
+        self._loop.add_reader(process.sentinel, self._on_exit, index)
+        self.restarts += 1
+        log.info("API process %d is serving again (pid %s)", index, process.pid)
 
     async def stop(self, grace_s: float) -> None:
         """Let every API process drain its streams (within `grace_s`) and exit; kill what does not."""
@@ -180,7 +220,6 @@ def run_api_process(config_data: dict[str, Any], index: int, addresses: CoreAddr
 
 
 async def _serve(config: Config, index: int, addresses: CoreAddresses, info: CoreInfo, conn: Connection) -> int:
-    from ..mp_client import MPClient
     from ..service import TTSService
     from ..service_builder import load_tokenizer, resolve_models
     from .server import OrpheusServer

@@ -230,7 +230,9 @@ def print_row(title: str, row: dict[str, Any]) -> None:
           f" ({'-' if share is None else f'{share:.1%}'} of started)  playing at once={row['concurrent_peak']}  "
           f"audio s/s={row['audio_seconds_per_second']}  cpu s/audio s={row['server_cpu_s_per_audio_s']}  "
           f"cpu us/token core/api={row.get('core_cpu_us_per_token')}/{row.get('api_cpu_us_per_token')}  "
-          f"step loop/engine ms={row.get('loop_ms_per_step')}/{row.get('engine_ms_per_step')}",
+          f"step loop/engine ms={row.get('loop_ms_per_step')}/{row.get('engine_ms_per_step')}  "
+          f"lag ms gateway max/client p99/max={row.get('gateway_lag_ms_max')}/{row.get('client_loop_lag_ms_p99')}/"
+          f"{row.get('client_loop_lag_ms_max')}",
           flush=True)
 
 

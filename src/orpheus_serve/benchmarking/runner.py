@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import platform
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,9 +66,11 @@ class LoadSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None
-                   ) -> tuple[list[Any], float]:
-    """Closed loop: `spec.requests` requests, at most `spec.concurrency` in flight. Returns (results, wall_s)."""
+async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None,
+                   lags: list[float] | None = None) -> tuple[list[Any], float]:
+    """Closed loop: `spec.requests` requests, at most `spec.concurrency` in flight. Returns (results, wall_s);
+    `lags` gets this client's event-loop lag every 50 ms."""
+    lags = [] if lags is None else lags
     from ..client.protocols import synthesize, synthesize_ws_context
 
     workload = make_workload(spec.requests, seed=spec.seed, mix=spec.text_mix, voices=spec.voice_mix,
@@ -105,17 +108,62 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
             return result
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
+        lag = asyncio.ensure_future(_watch_loop_lag(lags))
+        try:
+            results = await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
+        finally:
+            lag.cancel()
         wall = time.perf_counter() - t0
     return list(results), wall
+
+
+async def _watch_loop_lag(lags: list[float]) -> None:
+    """How late this client's own event loop runs (every 50 ms): a client too busy to read its sockets
+    records underruns the server did not cause, so the benchmark reports it beside them."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + 0.05
+        await asyncio.sleep(0.05)
+        lags.append(max(0.0, loop.time() - due))
+
+
+class _GatewayLagSampler:
+    """The server's flow.gateway_lag_ms, sampled every `every_s` from /v1/stats on a thread of its own."""
+
+    def __init__(self, target: Target, every_s: float = 0.5) -> None:
+        self._target = target
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway-lag-sampler", daemon=True)
+        self.samples: list[float] = []
+
+    def __enter__(self) -> _GatewayLagSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            lag = self._target.stats().get("flow", {}).get("gateway_lag_ms")
+            if lag is not None:
+                self.samples.append(float(lag))
 
 
 def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """One load level: client-side summary plus what the server says it spent."""
     before = target.stats()
-    results, wall = asyncio.run(run_load(target, spec, progress=progress))
+    client_lags: list[float] = []
+    with _GatewayLagSampler(target) as gateway:
+        results, wall = asyncio.run(run_load(target, spec, progress=progress, lags=client_lags))
     after = target.stats()
     row: dict[str, Any] = {"concurrency": spec.concurrency, "protocol": spec.protocol, **summarize(results, wall)}
+    # Whose lateness the underruns may be: the server's API process(es), or this client's own loop.
+    row["gateway_lag_ms_max"] = max(gateway.samples, default=None)
+    row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))
+    row["client_loop_lag_ms_max"] = _ms(max(client_lags, default=None))
     cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"]
     tokens = after["total_tokens"] - before["total_tokens"]
     row["server_cpu_s"] = round(cpu, 3)
@@ -126,6 +174,10 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
         row.update(input_stream_summary(results))
     row.update(plumbing_cost(before, after))
     return row
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
 
 
 def input_stream_summary(results: Sequence[Any]) -> dict[str, Any]:

@@ -16,6 +16,14 @@ into the scheduler's decisions:
   plus finished ones whose last frames the codec has not decoded yet (with a
   fast engine and a slow codec a stream's generation ends long before its
   decoding). `admission: slots` turns this off (bulk synthesis).
+- The context admission plans with (`planning_context`): a step costs more
+  as the admitted streams' contexts grow, so admission checks the load at the
+  peak of the admitted streams' total context over the rest of their lives
+  (each grows a token a step until it reaches a typical length, the running
+  mean of finished sessions', or its limit, and then ends). With streams of
+  every age (steady state) that peak is now; after a burst of admissions it
+  is when they near their ends, and admitting by the current, young contexts
+  would let the steps outgrow real time a few seconds later.
 - Gateway lag (`gateway_lag`): each API process reports how late its event
   loop runs. Past `max_gateway_lag_ms` it cannot hand audio to its sockets in
   time, whatever the engine sustains, so admission closes (new streams queue,
@@ -101,6 +109,7 @@ class FlowControl:
         self._estimate: CapacityEstimate | None = None  # cached for one scheduler step
         self._estimate_step = -1
         self._mean_context = 0.0  # tokens of context per decoded session, smoothed
+        self._typical_generated: float | None = None  # tokens a session generates in all, smoothed over finished ones
         # Finished generating, final push still at the codec: still codec demand (feedback only).
         self.draining: dict[str, Session] = {}
         self._skips = 0
@@ -179,6 +188,9 @@ class FlowControl:
 
     def finished(self, session: Session) -> None:
         """Its final push has left: it stays codec demand until the codec has decoded it."""
+        typical = self._typical_generated
+        self._typical_generated = float(session.generated) if typical is None \
+            else 0.9 * typical + 0.1 * session.generated
         if self.feedback:
             self.draining[session.request_id] = session
 
@@ -238,10 +250,29 @@ class FlowControl:
 
     def estimate(self, admitted: Collection[Session], step: int) -> CapacityEstimate:
         if self._estimate is None or self._estimate_step != step:
-            self._estimate = self.capacity.estimate(mean_context=self._mean_context, streams=len(admitted),
-                                                    limit=self._num_slots)
+            self._estimate = self.capacity.estimate(mean_context=self.planning_context(admitted),
+                                                    streams=len(admitted), limit=self._num_slots)
             self._estimate_step = step
         return self._estimate
+
+    def planning_context(self, admitted: Collection[Session]) -> float:
+        """Context per admitted stream at the peak of their total over the rest of their lives (see the
+        module docstring); the measured mean while nothing has finished yet to say how long streams run."""
+        typical = self._typical_generated
+        if typical is None or not admitted:
+            return self._mean_context
+        # (tokens until it ends, context now): every stream grows a token a step until it ends.
+        lives = sorted((max(s.generated, min(s.token_limit, typical)) - s.generated, s.prompt_len + s.generated)
+                       for s in admitted)
+        alive = len(lives)
+        total_now = sum(context for _, context in lives)
+        peak = total_now
+        # The total rises while every stream grows and drops when one ends: its peaks are just before the ends.
+        for remaining, context in lives:
+            peak = max(peak, total_now + alive * remaining)
+            total_now -= context
+            alive -= 1
+        return max(peak / len(lives), self._mean_context)
 
     # ------------------------------------------------------------ first push
 
