@@ -245,7 +245,7 @@ class MPClient:
         """Every answer waiting on the call socket, to its future. (ZeroMQ's descriptor signals edges, not
         levels: this reads until nothing is left, and each call looks again before it waits.)"""
         calls = self._calls
-        while calls is not None and calls.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while calls is not None and not calls.closed and calls.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._resolve(wire.unpack(calls.recv(zmq.NOBLOCK)))
 
     def _resolve(self, reply: list[Any]) -> None:
@@ -531,6 +531,9 @@ class MPClient:
             if self._calls.poll(int(min(remaining, 0.1) * 1000) + 1):
                 reply = wire.unpack(self._calls.recv())
                 if reply[0] == seq:
+                    if self._replies and self._loop is not None:
+                        # This poll may have taken the descriptor's signal for a submit's answer behind it.
+                        self._loop.call_soon(self._take_replies)
                     return reply[1:]
                 self._resolve(reply)  # a submit's answer, or the late answer to a call that timed out
                 continue
