@@ -51,6 +51,21 @@ def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
         assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
 
 
+def test_outputs_that_arrive_before_the_admission_answer_reach_their_stream(tiny_orpheus: Path) -> None:
+    """An engine with no pacing produces a session's audio before the API process has read the core's answer to
+    its submit: the output handler must find the session's mailbox already there."""
+    server = start_server(sim_config(tiny_orpheus, **SPLIT, **{
+        "engine.sim.realtime": False, "engine.sim.end_after_frames": 2, "codec.sim.realtime": False}))
+    try:
+        with httpx.Client(timeout=10.0) as http:
+            for i in range(40):
+                response = http.post(f"{server.base_url}/v1/audio/speech",
+                                     json={"input": f"Number {i}.", "response_format": "pcm"})
+                assert response.status_code == 200 and response.content, (i, response.status_code)
+    finally:
+        server.stop()
+
+
 class DyingSimEngine:
     """The sim engine, and a switch after which every step says the runtime is dead (as TensorRT-LLM's does)."""
 

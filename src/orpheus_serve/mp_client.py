@@ -402,18 +402,26 @@ class MPClient:
         await self._submit(request)
 
     async def _submit(self, request: SessionRequest) -> None:
+        session_id = request.request_id
+        # The mailbox comes first: the output handler may read the session's first outputs before this
+        # coroutine sees the core's answer. (An id in use keeps its mailbox: the core refuses the request.)
+        fresh = session_id not in self._mailboxes
+        if fresh:
+            self._mailboxes[session_id] = asyncio.Queue()
         try:
             status, *detail = await self._acall(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
         except (ServiceUnavailableError, asyncio.CancelledError):
             # No answer in time, or its client left while waiting: the core may have admitted it, for
             # nobody. Cancel it there, and let the core forget whom its outputs were for.
-            self.cancel(request.request_id)
-            self._releases.append(request.request_id)
+            if fresh:
+                self._mailboxes.pop(session_id, None)
+            self.cancel(session_id)
+            self._releases.append(session_id)
             raise
         if status == wire.OK:
-            # The output handler cannot have read anything for it yet: it runs on this loop, after this call.
-            self._mailboxes[request.request_id] = asyncio.Queue()
             return
+        if fresh:
+            self._mailboxes.pop(session_id, None)
         message, extra = detail
         if status == wire.FULL:
             raise SchedulerFullError(message, retry_after_s=extra)
