@@ -257,7 +257,12 @@ def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(ti
             grpc_call = asyncio.create_task(api_client.synthesize_grpc(f"127.0.0.1:{grpc_port}", "Me too.",
                                                                        max_tokens=350, seed=2))
             deadline = time.monotonic() + 60
-            while not (stats_of(base)["scheduler"]["active_sessions"] == 2 and stats_of(base)["total_tokens"] > 60):
+            def going(snapshot: dict) -> bool:
+                # Both admitted and ten frames each generated: their first pushes (three frames) are long out and
+                # at the clients, and 40 frames each are still to come.
+                return snapshot["scheduler"]["active_sessions"] == 2 and snapshot["total_tokens"] > 140
+
+            while not going(stats_of(base)):
                 assert time.monotonic() < deadline, "the two streams never got going"
                 await asyncio.sleep(0.05)
             signalled, signalled_at = time.monotonic(), time.perf_counter()
