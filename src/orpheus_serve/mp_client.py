@@ -478,17 +478,22 @@ class MPClient:
 
     # ------------------------------------------------------------ transport
 
+    def _send_call(self, kind: int, args: tuple[Any, ...]) -> int:
+        """Send one call, after the notes this loop pass produced; its sequence number."""
+        assert self._calls is not None
+        self._flush_notes()
+        self._seq += 1
+        try:
+            self._calls.send(wire.pack([kind, self._seq, *args]), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
+        return self._seq
+
     async def _acall(self, kind: int, *args: Any) -> list[Any]:
         """`_call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
         assert self._calls is not None and self._loop is not None
         timeout = self._timeout_s
-        self._flush_notes()
-        self._seq += 1
-        seq = self._seq
-        try:
-            self._calls.send(wire.pack([kind, seq, *args]), zmq.NOBLOCK)
-        except zmq.Again:
-            raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
+        seq = self._send_call(kind, args)
         future = self._replies[seq] = self._loop.create_future()
         deadline = time.monotonic() + timeout
         try:
@@ -524,13 +529,7 @@ class MPClient:
         no answer comes within `timeout_s` (server.core_call_timeout_s)."""
         assert self._calls is not None
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        self._flush_notes()
-        self._seq += 1
-        seq = self._seq
-        try:
-            self._calls.send(wire.pack([kind, seq, *args]), zmq.NOBLOCK)
-        except zmq.Again:
-            raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
+        seq = self._send_call(kind, args)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
