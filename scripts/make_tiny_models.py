@@ -3,6 +3,7 @@
 
     python scripts/make_tiny_models.py --out models [--seed 0] [--preset tiny|tiny-trt|100m|3b]
     python scripts/make_tiny_models.py --out models --preset 3b --device cuda --dtype bf16 --skip-snac
+    python scripts/make_tiny_models.py --out models --lora-adapters 4   # + OUT/tiny-lora/voice0..voice3
 
 Writes OUT/tiny-orpheus (or OUT/orpheus-<preset>) and OUT/tiny-snac; see
 orpheus_serve.tiny_models for what they contain.
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
-from orpheus_serve.tiny_models import LLAMA_PRESETS, write_tiny_models
+from orpheus_serve.tiny_models import LLAMA_PRESETS, write_lora_adapters, write_tiny_models
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-snac", action="store_true")
     ap.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: fast for 3b)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the saved weights")
+    ap.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                    help="also write N seeded PEFT-format LoRA adapters for the model into OUT/tiny-lora "
+                         "(a voices.adapters_dir)")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -40,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {llama}")
     if not args.skip_snac:
         print(f"wrote {out / 'tiny-snac'}")
+    if args.lora_adapters:
+        for folder in write_lora_adapters(out / "tiny-lora", llama, args.lora_adapters, seed=args.seed):
+            print(f"wrote {folder}")
     return 0
 
 

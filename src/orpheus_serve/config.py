@@ -199,6 +199,16 @@ class StreamInputConfig(_Strict):
     idle_timeout_s: float = Field(30.0, gt=0)  # a context with nothing buffered and no text for this long ends
 
 
+class VoicesConfig(_Strict):
+    """Custom voices: LoRA adapters served beside the base model in the same batch (engines/lora.py)."""
+
+    # A folder of PEFT LoRA adapters, one sub-folder per voice (adapter_config.json, adapter_model.safetensors,
+    # optional voice.json); None: no custom voices (and no adapter pool).
+    adapters_dir: str | None = None
+    max_loras: int = Field(8, ge=1, le=1024)  # adapters in the device pool at once (LRU over the folder)
+    max_lora_rank: int = Field(64, ge=1, le=1024)  # the pool's rank; an adapter of a higher rank is refused
+
+
 class ProfileConfig(_Strict):
     max_text_chars: int = Field(ge=1)  # counted after normalisation (text.py)
     # Tokens of the normalised text, all chunks together; None: 2 x max_text_chars (a character limit alone
@@ -227,6 +237,7 @@ class Config(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     server: ServerConfig = ServerConfig()
     stream_input: StreamInputConfig = StreamInputConfig()
+    voices: VoicesConfig = VoicesConfig()
     profiles: dict[str, ProfileConfig] = dict(DEFAULT_PROFILES)
 
     @model_validator(mode="after")

@@ -62,13 +62,14 @@ def unpack(data: bytes) -> Any:
 
 def encode_request(req: SessionRequest) -> list[Any]:
     return [req.request_id, list(req.prompt_ids), list(astuple(req.sampling)), req.arrival_s,
-            req.playback_start_s, req.audio_before_s]
+            req.playback_start_s, req.audio_before_s, req.adapter]
 
 
 def decode_request(fields_: list[Any]) -> SessionRequest:
-    request_id, prompt_ids, sampling, arrival_s, playback_start_s, audio_before_s = fields_
+    request_id, prompt_ids, sampling, arrival_s, playback_start_s, audio_before_s, adapter = fields_
     return SessionRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=SamplingParams(*sampling),
-                          arrival_s=arrival_s, playback_start_s=playback_start_s, audio_before_s=audio_before_s)
+                          arrival_s=arrival_s, playback_start_s=playback_start_s, audio_before_s=audio_before_s,
+                          adapter=adapter)
 
 
 def encode_output(session_id: str, item: SessionOutput) -> list[Any]:

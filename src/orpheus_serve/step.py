@@ -92,6 +92,7 @@ class PrefillChunk:
     end: int
     sampling: SamplingParams
     priority: float = 0.5  # 0..1, higher first; used by engines that schedule themselves
+    adapter: str | None = None  # LoRA adapter (custom voice) the session runs with; None: the base model
 
     @property
     def is_last(self) -> bool:

@@ -234,3 +234,61 @@ def write_tiny_models(out: Path, *, seed: int = 0, preset: str = "tiny", name: s
     if snac:
         write_snac(out / "tiny-snac", seed)
     return out / name
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_lora_adapter(out: Path, base: Path, *, seed: int, rank: int, alpha: float | None = None,
+                       targets: tuple[str, ...] = LORA_TARGETS, prompt_name: str | None = None,
+                       description: str = "") -> Path:
+    """One seeded random LoRA adapter for the Llama folder `base`, in PEFT's on-disk format
+    (adapter_config.json + adapter_model.safetensors, the names PEFT saves), plus a voice.json.
+
+    Unlike a freshly initialised PEFT adapter (B = 0), B is random too, so the adapter changes the
+    model's output as a trained voice would."""
+    cfg = json.loads((base / "config.json").read_text())
+    d, f = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    alpha = float(2 * rank if alpha is None else alpha)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj in targets:
+            n_in, n_out = shapes[proj]
+            key = f"base_model.model.model.layers.{layer}.{_LORA_PARENT[proj]}.{proj}"
+            # scale * B A then has entries of about the base weight's size (n_in ** -0.5).
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * n_in**-0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * (rank**-0.5 * rank / alpha)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": sorted(targets),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None, "inference_mode": True,
+    }, indent=2))
+    (out / "voice.json").write_text(json.dumps({
+        "prompt_name": prompt_name or out.name,
+        "description": description or f"tiny random LoRA voice (rank {rank})",
+        "sampling": {"temperature": 0.6, "top_p": 0.9},
+    }, indent=2))
+    return out
+
+
+def write_lora_adapters(out: Path, base: Path, count: int, *, seed: int = 0) -> list[Path]:
+    """`count` adapters OUT/voice0.. for `base`: ranks 8, 4, 2, 8, ... (smaller ranks exercise the pool's
+    padding) and every third one on attention only (q, k, v, o)."""
+    ranks = (8, 4, 2)
+    written = []
+    for i in range(count):
+        targets = LORA_TARGETS[:4] if i % 3 == 2 else LORA_TARGETS
+        written.append(write_lora_adapter(out / f"voice{i}", base, seed=seed * 1000 + i, rank=ranks[i % 3],
+                                          targets=targets))
+    return written

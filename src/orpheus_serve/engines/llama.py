@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from torch import Tensor, nn
 
 from orpheus_serve.engines.vram_budget import LlamaDims
 from orpheus_serve.step import EngineError
+
+if TYPE_CHECKING:
+    from orpheus_serve.engines.lora import LayerLora, LoraBatch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -229,12 +232,13 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, positions: Tensor,
-                kv_len: int) -> Tensor:
+                kv_len: int, lora: LayerLora | None = None) -> Tensor:
         cfg = self.config
         B, T, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         G = H // Hkv
-        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = self.wqkv(x) if lora is None else lora("wqkv", x, self.wqkv(x))
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rotary_emb(q.view(B, T, H, D), cos, sin)  # [B, T, H, D]
         k = apply_rotary_emb(k.view(B, T, Hkv, D), cos, sin)  # [B, T, Hkv, D]
         v = v.view(B, T, Hkv, D)
@@ -246,7 +250,7 @@ class Attention(nn.Module):
         q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
         y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return self.wo(y)
+        return self.wo(y) if lora is None else lora("wo", y, self.wo(y))
 
 
 class FeedForward(nn.Module):
@@ -256,9 +260,11 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate | up
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: Tensor, lora: LayerLora | None = None) -> Tensor:
+        gate_up = self.w13(x) if lora is None else lora("w13", x, self.w13(x))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = F.silu(gate) * up
+        return self.w2(h) if lora is None else lora("w2", h, self.w2(h))
 
 
 class TransformerBlock(nn.Module):
@@ -270,9 +276,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, positions: Tensor,
-                kv_len: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, slots, positions, kv_len)
-        return h + self.feed_forward(self.ffn_norm(h))
+                kv_len: int, lora: LayerLora | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, slots, positions, kv_len, lora)
+        return h + self.feed_forward(self.ffn_norm(h), lora)
 
 
 class Transformer(nn.Module):
@@ -298,8 +304,10 @@ class Transformer(nn.Module):
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
 
-    def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        """tokens, positions [B, T]; slots [B]; every position < kv_len <= max_seq_len.
+    def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
+                lora: LoraBatch | None = None) -> Tensor:
+        """tokens, positions [B, T]; slots [B]; every position < kv_len <= max_seq_len; `lora`: the
+        rows' LoRA adapters (engines/lora.py), None when no row has one.
         Returns the final-norm hidden states [B, T, dim]: the caller projects only the rows and
         vocabulary entries it needs (`logits`, or sampling.constrained_logits)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
@@ -308,24 +316,25 @@ class Transformer(nn.Module):
         visible = self.cache_positions[:kv_len] <= positions.unsqueeze(-1)  # [B, T, S]
         mask = visible.unsqueeze(1).expand(B, G, T, kv_len).reshape(B, 1, G * T, kv_len)  # query rows g*T + t
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, slots, positions, kv_len)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, slots, positions, kv_len, None if lora is None else lora.layer(i))
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., dim] -> fp32 logits [..., vocab] (the full output projection)."""
         return self.output(hidden).float()
 
-    def prefill(self, tokens: Tensor, slot: int, start: int) -> Tensor:
+    def prefill(self, tokens: Tensor, slot: int, start: int, lora: LoraBatch | None = None) -> Tensor:
         """Prompt tokens [T] of one slot at positions start..start+T-1 -> hidden states [T, dim]."""
         T = tokens.shape[0]
         positions = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)  # [1, T]
         slots = torch.tensor([slot], device=tokens.device)
-        return self.forward(tokens.unsqueeze(0), slots, positions, start + T)[0]
+        return self.forward(tokens.unsqueeze(0), slots, positions, start + T, lora)[0]
 
-    def decode(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    def decode(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
+               lora: LoraBatch | None = None) -> Tensor:
         """One token per row: tokens, slots, positions [B] -> hidden states [B, dim]."""
-        return self.forward(tokens.unsqueeze(1), slots, positions.unsqueeze(1), kv_len)[:, 0]
+        return self.forward(tokens.unsqueeze(1), slots, positions.unsqueeze(1), kv_len, lora)[:, 0]
 
 
 # ----------------------------------------------------------------------------- loading

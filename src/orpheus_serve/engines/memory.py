@@ -111,12 +111,13 @@ class MemoryPlan:
     scratch_slots: int = 0  # cache rows no session owns (1 with decode graphs: the padding rows' writes)
     graph_pool_bytes: int = 0
     codec_bytes: int = 0  # the SNAC decoder, when it shares the device
+    lora_pool_bytes: int = 0  # the LoRA adapter pool (engines/lora.py), when custom voices are on
 
     @property
     def fixed_bytes(self) -> int:
         """Everything but the sessions' own slots."""
         return (self.weights_bytes + self.workspace_bytes + self.graph_pool_bytes + self.codec_bytes
-                + self.kv_bytes_per_slot * self.scratch_slots)
+                + self.lora_pool_bytes + self.kv_bytes_per_slot * self.scratch_slots)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -145,7 +146,8 @@ class MemoryPlan:
         fit = "unknown free memory" if self.max_slots is None else f"{self.max_slots} fit"
         budget = "" if self.budget_bytes is None else f" of a {self.budget_bytes / GiB:.2f} GiB budget"
         extras = "".join(f" + {name} {size / GiB:.2f} GiB" for name, size in (
-            ("graph pool", self.graph_pool_bytes), ("SNAC", self.codec_bytes)) if size)
+            ("graph pool", self.graph_pool_bytes), ("SNAC", self.codec_bytes), ("LoRA pool", self.lora_pool_bytes))
+            if size)
         scratch = f" (+{self.scratch_slots} scratch)" if self.scratch_slots else ""
         return (f"weights {self.weights_bytes / GiB:.2f} GiB + KV cache {self.kv_bytes_per_slot / MiB:.1f} MiB/slot "
                 f"(max_seq_len {self.max_seq_len}) x {self.num_slots} slots{scratch}{extras} = "
@@ -166,7 +168,7 @@ class MemoryPlan:
 
 def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype: torch.dtype,
                 max_batch_size: int, budget_bytes: int | None, cuda_graphs: bool = False,
-                codec_bytes: int = 0) -> MemoryPlan:
+                codec_bytes: int = 0, lora_pool_bytes: int = 0) -> MemoryPlan:
     """`cuda_graphs`: the engine captures decode graphs (CUDA only); `codec_bytes`: what the SNAC
     decoder will take on the same device (0 when it runs elsewhere)."""
     return MemoryPlan(
@@ -180,4 +182,5 @@ def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype:
         scratch_slots=1 if cuda_graphs else 0,
         graph_pool_bytes=graph_pool_bytes(config, max_batch_size, max_seq_len, dtype) if cuda_graphs else 0,
         codec_bytes=codec_bytes,
+        lora_pool_bytes=lora_pool_bytes,
     )

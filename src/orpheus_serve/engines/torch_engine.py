@@ -68,6 +68,8 @@ from orpheus_serve import protocol as P
 from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.base import MemoryReport
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
+from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, LoraPool
+from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
 from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
 from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
@@ -89,6 +91,8 @@ class _Session:
     cached: int = 0  # tokens in the KV cache = position the next token is written at
     generated: int = 0  # tokens sampled so far = audio position of the next one
     ready: bool = False  # prompt complete: the last sampled token waits to be fed
+    adapter: str | None = None  # LoRA adapter pinned for this session (engines/lora.py)
+    lora_entry: int = 0  # its pool entry; 0: the base model
 
 
 class DecodeGraphs:
@@ -100,13 +104,15 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: Transformer, *, batch_sizes: Sequence[int], kv_lens: Sequence[int],
-                 scratch_slot: int, stream: torch.cuda.Stream) -> None:
+                 scratch_slot: int, stream: torch.cuda.Stream, lora_pool: LoraPool | None = None) -> None:
         device = model.output.weight.device
         self.batch_sizes = sorted(batch_sizes)
         self.kv_lens = sorted(kv_lens)
         self.scratch_slot = scratch_slot
         max_batch = self.batch_sizes[-1]
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        # (batch, kv_len, with LoRA): with a pool, each shape is captured twice, so a step without
+        # adapters replays a graph without LoRA work (pool mode: the entries buffer selects adapters).
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         # Whatever the caller queued on its stream (weights, caches) comes before the capture, and the
         # static inputs are made on the capture stream itself: a graph never reads a buffer whose
@@ -116,20 +122,26 @@ class DecodeGraphs:
             self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
             self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            self.lora_entries = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            variants = (False, True) if lora_pool is not None else (False,)
             # Largest first: the shared pool is sized by the first capture and reused by the rest.
             for batch in reversed(self.batch_sizes):
                 for kv_len in reversed(self.kv_lens):
-                    args = (self.tokens[:batch], self.slots[:batch], self.positions[:batch], kv_len)
-                    for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
-                        model.decode(*args)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        hidden = model.decode(*args)  # [batch, dim]
-                    self.graphs[(batch, kv_len)] = (graph, hidden)
+                    for with_lora in variants:
+                        lora = LoraBatch(lora_pool, self.lora_entries[:batch]) if with_lora and lora_pool else None
+                        args = (self.tokens[:batch], self.slots[:batch], self.positions[:batch], kv_len, lora)
+                        for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
+                            model.decode(*args)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                            hidden = model.decode(*args)  # [batch, dim]
+                        self.graphs[(batch, kv_len, with_lora)] = (graph, hidden)
         stream.synchronize()
 
-    def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        """Same contract as Transformer.decode; the result is a view valid until the next run."""
+    def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
+            lora_entries: Tensor | None = None) -> Tensor:
+        """Same contract as Transformer.decode, `lora_entries` [n] the rows' pool entries (None: no
+        row has an adapter); the result is a view valid until the next run."""
         n = tokens.shape[0]
         batch = next(b for b in self.batch_sizes if b >= n)
         bucket = next(k for k in self.kv_lens if k >= kv_len)
@@ -140,7 +152,10 @@ class DecodeGraphs:
             self.tokens[n:batch].zero_()
             self.slots[n:batch].fill_(self.scratch_slot)
             self.positions[n:batch].zero_()
-        graph, hidden = self.graphs[(batch, bucket)]
+        if lora_entries is not None:
+            self.lora_entries[:n].copy_(lora_entries)
+            self.lora_entries[n:batch].zero_()
+        graph, hidden = self.graphs[(batch, bucket, lora_entries is not None)]
         graph.replay()
         return hidden[:n]
 
@@ -150,7 +165,8 @@ class TorchEngine:
 
     def __init__(self, model_path: str | Path, *, num_slots: int, max_seq_len: int, device: str = "cpu",
                  dtype: str = "fp32", max_batch_size: int = 16, cuda_graphs: bool = True,
-                 memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0) -> None:
+                 memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0,
+                 adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64) -> None:
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = Path(model_path)
@@ -169,10 +185,13 @@ class TorchEngine:
                               f"(needs at least {P.AUDIO_VOCAB_END})")
 
         use_graphs = cuda_graphs and self.device.type == "cuda"
+        use_lora = adapters_dir is not None and max_loras > 0
         budget = available_bytes(self.device)
         plan = plan_memory(self.config, num_slots=num_slots, max_seq_len=max_seq_len, dtype=self.dtype,
                            max_batch_size=max_batch_size, cuda_graphs=use_graphs, codec_bytes=codec_bytes,
-                           budget_bytes=None if budget is None else int(budget * memory_fraction))
+                           budget_bytes=None if budget is None else int(budget * memory_fraction),
+                           lora_pool_bytes=lora_pool_bytes(self.config, max_loras=max_loras, max_rank=max_lora_rank,
+                                                           dtype=self.dtype) if use_lora else 0)
         logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
         plan.check()
         self.memory_plan = plan
@@ -186,7 +205,13 @@ class TorchEngine:
             self._sampling = SlotSamplingState(num_slots, self.config.vocab_size, self.device,
                                                fast_width=None if self.device.type == "cuda" else 64)
             self._last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+            # Custom voices (ARCHITECTURE §6): None when no adapters folder is configured.
+            self.lora: LoraManager | None = LoraManager(
+                self.config, adapters_dir=adapters_dir, max_loras=max_loras, max_rank=max_lora_rank,
+                dtype=self.dtype, device=self.device) if use_lora else None
         self._sessions: list[_Session | None] = [None] * num_slots
+        self._pinned: list[str] = []  # LoRA pins of the current step (see step())
+        self._unpinned: list[str] = []
         self._seed_source = random.Random(seed)
         self._closed = False
         self._graphs: DecodeGraphs | None = None
@@ -197,7 +222,8 @@ class TorchEngine:
                 self._graphs = DecodeGraphs(
                     self.model, batch_sizes=padded_sizes(max_batch_size),
                     kv_lens=padded_sizes(max_seq_len, GRAPH_KV_BUCKET),
-                    scratch_slot=num_slots, stream=self._stream)
+                    scratch_slot=num_slots, stream=self._stream,
+                    lora_pool=self.lora.pool if self.lora is not None else None)
             logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs),
                         time.perf_counter() - started)
 
@@ -220,6 +246,9 @@ class TorchEngine:
             cuda_graphs=config.engine.cuda_graphs,
             memory_fraction=config.engine.memory_fraction,
             codec_bytes=codec_bytes,
+            adapters_dir=config.voices.adapters_dir,
+            max_loras=config.voices.max_loras,
+            max_lora_rank=config.voices.max_lora_rank,
         )
 
     # ------------------------------------------------------------------ TokenEngine
@@ -234,11 +263,16 @@ class TorchEngine:
         saved = {slot: replace(s) if (s := self._sessions[slot]) is not None else None
                  for slot in touched if 0 <= slot < self.num_slots}
         sampled: list[tuple[Tensor, Tensor]] = []  # (slots, new tokens), written back once all succeeded
+        # LoRA pins taken by sessions starting in this step (given back if it raises) and those of
+        # sessions it ended (given back once it has succeeded).
+        self._pinned, self._unpinned = [], []
         try:
             with torch.inference_mode(), self._on_stream():
+                if self.lora is not None:
+                    self.lora.apply_staged()  # admin loads enter the pool here, before any forward pass
                 for slot in plan.release:
                     if self._valid_slot(slot, out):
-                        self._sessions[slot] = None
+                        self._drop(slot)
                 for chunk in plan.prefill:
                     self._prefill(chunk, out, sampled)
                 rows = self._decodable(plan.decode, out)
@@ -250,7 +284,9 @@ class TorchEngine:
         except BaseException:
             for slot, session in saved.items():
                 self._sessions[slot] = session
+            self._release_adapters(self._pinned)
             raise
+        self._release_adapters(self._unpinned)
         out.elapsed_s = time.perf_counter() - started
         return out
 
@@ -295,7 +331,23 @@ class TorchEngine:
 
     def _fail(self, slot: int, reason: str, out: StepOutput) -> None:
         out.failed[slot] = reason
+        self._drop(slot)
+
+    def _drop(self, slot: int) -> None:
+        session = self._sessions[slot]
+        if session is not None and session.adapter is not None:
+            self._unpinned.append(session.adapter)
         self._sessions[slot] = None
+
+    def _release_adapters(self, names: list[str]) -> None:
+        if self.lora is not None:
+            for name in names:
+                self.lora.release(name)
+
+    def _lora_batch(self, entries: list[int], *, gather: bool) -> LoraBatch | None:
+        if self.lora is None:
+            return None
+        return LoraBatch.for_rows(self.lora.pool, entries, gather=gather)
 
     def _prefill(self, chunk: PrefillChunk, out: StepOutput, sampled: list[tuple[Tensor, Tensor]]) -> None:
         slot = chunk.slot
@@ -316,7 +368,20 @@ class TorchEngine:
             if problem:
                 self._fail(slot, f"invalid sampling parameters: {problem}", out)
                 return
+            self._drop(slot)
             session = _Session(request_id=chunk.request_id, sampling=chunk.sampling)
+            if chunk.adapter is not None:
+                if self.lora is None:
+                    self._fail(slot, f"adapter {chunk.adapter!r} requested but LoRA adapters are off "
+                                     "(set voices.adapters_dir)", out)
+                    return
+                try:
+                    session.lora_entry = self.lora.acquire(chunk.adapter)
+                except (AdapterError, EngineError) as exc:  # a bad adapter or a full pool fails this session only
+                    self._fail(slot, str(exc), out)
+                    return
+                session.adapter = chunk.adapter
+                self._pinned.append(chunk.adapter)
             self._sessions[slot] = session
             seed = chunk.sampling.seed if chunk.sampling.seed is not None else self._seed_source.getrandbits(64)
             self._sampling.reset(slot, chunk.sampling, seed)
@@ -331,7 +396,8 @@ class TorchEngine:
         tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
         slot_index = torch.tensor([slot], device=self.device)
         self._sampling.mark_seen(slot_index, tokens)
-        hidden = self.model.prefill(tokens, slot, chunk.start)  # [T, dim]
+        lora = self._lora_batch([session.lora_entry], gather=True)
+        hidden = self.model.prefill(tokens, slot, chunk.start, lora)  # [T, dim]
         session.cached = chunk.end
         if not chunk.is_last:
             return
@@ -380,10 +446,11 @@ class TorchEngine:
         slots, positions, steps = host.to(self.device).unbind(0)  # [B] each
         kv_len = int(host[1].max()) + 1
         tokens = self._last_token[slots]
+        lora = self._lora_batch([s.lora_entry for s in sessions], gather=self._graphs is None)  # type: ignore[union-attr]
         if self._graphs is not None:
-            hidden = self._graphs.run(tokens, slots, positions, kv_len)
+            hidden = self._graphs.run(tokens, slots, positions, kv_len, None if lora is None else lora.entries)
         else:
-            hidden = self.model.decode(tokens, slots, positions, kv_len)  # [B, dim]
+            hidden = self.model.decode(tokens, slots, positions, kv_len, lora)  # [B, dim]
 
         params = [s.sampling for s in sessions]  # type: ignore[union-attr]
         host_steps = host[2].tolist()

@@ -462,6 +462,7 @@ class Scheduler:
                 end=end,
                 sampling=session.request.sampling,
                 priority=priority,
+                adapter=session.request.adapter,
             )
         )
         # Marked as sent now so a later plan continues after it even if update() lags a step behind.

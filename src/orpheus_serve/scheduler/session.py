@@ -41,6 +41,7 @@ class SessionRequest:
     # audio earlier chunks delivered, so its deadline continues theirs.
     playback_start_s: float | None = None
     audio_before_s: float = 0.0
+    adapter: str | None = None  # LoRA adapter of a custom voice (engines/lora.py); None: the base model
 
     @property
     def is_continuation(self) -> bool:

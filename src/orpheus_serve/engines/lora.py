@@ -1,0 +1,483 @@
+"""LoRA adapters served together: custom voices as per-session adapters in one batch.
+
+A fine-tuned voice is most often a PEFT (or Unsloth, same format) LoRA adapter on
+`q,k,v,o,gate,up,down`: a folder with `adapter_config.json` and `adapter_model.safetensors`.
+Instead of merging each into its own model, every target linear computes, per row of a step,
+
+    y = x W^T + scale_s · (x A_s^T) B_s^T
+
+with A_s, B_s gathered from a fixed device pool (ARCHITECTURE §6):
+
+- `LoraPool`: per fused linear of llama.py (wqkv, wo, w13, w2) and per layer, two tensors
+  A [P, in, S·R] and B [P, S·R, out], allocated once: P = max_loras + 1 entries (entry 0 is all
+  zeros: "no adapter"), S the projections fused in that linear (3 for q|k|v, 2 for gate|up), R =
+  max_lora_rank. Projection s of an adapter occupies rank rows s·R .. s·R + r and its own output
+  columns (a block-diagonal B), smaller ranks are zero-padded and `scale` is folded into B, so
+  one gather + two batched matmuls serve any mix of adapters and ranks, and the zero blocks add
+  exact zeros.
+- `LoraBatch`: which pool entry each row of a forward pass uses. Gather mode (CPU): only the rows
+  that have an adapter are computed. Pool mode (CUDA graphs): every row, with fixed shapes (rows
+  without one read entry 0), so a captured graph serves any adapter mix. A step in which no row
+  has an adapter passes no LoraBatch at all: no extra work.
+- `LoraManager`: adapters on disk (`voices.adapters_dir`), validated at load, kept in the pool
+  LRU. Its state is guarded by a lock, so any thread can list, load or unload, but the pool's
+  device memory is written only by the engine thread at the start of a step, before its first
+  forward pass: an adapter never changes under a running step. An adapter in use by a session is
+  pinned (never evicted); unloading it is deferred until its last session is released.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor
+
+from orpheus_serve.step import EngineError
+
+if TYPE_CHECKING:
+    from orpheus_serve.engines.llama import LlamaConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# The fused linears of llama.py and the Hugging Face projections each holds, in output-column order.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "wqkv": ("q_proj", "k_proj", "v_proj"),
+    "wo": ("o_proj",),
+    "w13": ("gate_proj", "up_proj"),
+    "w2": ("down_proj",),
+}
+PROJECTION_TO_FUSED = {proj: fused for fused, projs in FUSED_PROJECTIONS.items() for proj in projs}
+TARGET_MODULES = tuple(PROJECTION_TO_FUSED)
+_MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# PEFT's saved names: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served, with the reason (refused at load; the server goes on)."""
+
+
+class AdapterBusyError(EngineError):
+    """Every pool entry holds an adapter some running session uses: a new one cannot come in now."""
+
+
+def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every target projection."""
+    d, f = config.dim, config.intermediate_size
+    return {"q_proj": (d, config.q_size), "k_proj": (d, config.kv_size), "v_proj": (d, config.kv_size),
+            "o_proj": (config.q_size, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+
+
+def valid_adapter_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A validated adapter on the host: per (layer, projection), A [r, in] and B [out, r] in fp32."""
+
+    name: str
+    folder: Path
+    rank: int
+    alpha: float
+    scale: float
+    target_modules: tuple[str, ...]
+    weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def read_peft_adapter(folder: str | Path, config: LlamaConfig, *, max_rank: int, name: str | None = None) -> LoraAdapter:
+    """Read and validate a PEFT LoRA folder against the base model; AdapterError says what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    name = name or folder.name
+    cfg_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not cfg_path.is_file():
+        raise AdapterError(f"adapter {name!r}: no {ADAPTER_CONFIG} in {folder}")
+    if not weights_path.is_file():
+        hint = " (save it with safe_serialization=True)" if (folder / "adapter_model.bin").is_file() else ""
+        raise AdapterError(f"adapter {name!r}: no {ADAPTER_WEIGHTS} in {folder}{hint}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter {name!r}: {ADAPTER_CONFIG} is not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"adapter {name!r}: {ADAPTER_CONFIG} is not a JSON object")
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {peft_type!r} is not LORA")
+    # Variants whose forward is not x W + scale (x A) B are refused rather than served wrong.
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)):
+        if cfg.get(key, ok) not in (ok, None):
+            raise AdapterError(f"adapter {name!r}: {key}={cfg[key]!r} is not supported (only plain LoRA: {key}={ok!r})")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise AdapterError(f"adapter {name!r}: per-module ranks ({key}) are not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"adapter {name!r}: modules_to_save {cfg['modules_to_save']!r} would replace base "
+                           f"weights per voice; only LoRA on {', '.join(TARGET_MODULES)} is served")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        wrong = sorted({str(t) for t in targets} - set(TARGET_MODULES))
+        if wrong:
+            raise AdapterError(f"adapter {name!r}: target modules {', '.join(wrong)} are not supported "
+                               f"(supported: {', '.join(TARGET_MODULES)})")
+    try:
+        rank = int(cfg["r"])
+        alpha = float(cfg.get("lora_alpha", rank))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AdapterError(f"adapter {name!r}: {ADAPTER_CONFIG} needs an integer r and a number lora_alpha") from exc
+    if rank < 1:
+        raise AdapterError(f"adapter {name!r}: rank {rank} must be >= 1")
+    if rank > max_rank:
+        raise AdapterError(f"adapter {name!r}: rank {rank} is over engine.max_lora_rank {max_rank}")
+    scale = alpha / rank**0.5 if cfg.get("use_rslora") else alpha / rank
+
+    shapes = projection_shapes(config)
+    halves: dict[tuple[int, str], dict[str, Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                match = _KEY.match(key)
+                if match is None:
+                    raise AdapterError(f"adapter {name!r}: tensor {key!r} is not LoRA on a supported target module "
+                                       f"({', '.join(TARGET_MODULES)})")
+                layer, parent, proj, half = int(match[1]), match[2], match[3], match[4]
+                if proj not in shapes or _MODULE_PARENT[proj] != parent:
+                    raise AdapterError(f"adapter {name!r}: target module {parent}.{proj} is not supported "
+                                       f"(supported: {', '.join(TARGET_MODULES)})")
+                if layer >= config.n_layers:
+                    raise AdapterError(f"adapter {name!r}: layer {layer} does not exist in the base model "
+                                       f"({config.n_layers} layers)")
+                halves.setdefault((layer, proj), {})[half] = f.get_tensor(key)
+    except SafetensorError as exc:
+        raise AdapterError(f"adapter {name!r}: {ADAPTER_WEIGHTS} is not a valid safetensors file ({exc})") from exc
+    if not halves:
+        raise AdapterError(f"adapter {name!r}: {ADAPTER_WEIGHTS} holds no LoRA tensors")
+
+    weights: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+    for (layer, proj), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: layer {layer} {proj} has lora_{next(iter(pair))} without its pair")
+        a, b = pair["A"], pair["B"]
+        n_in, n_out = shapes[proj]
+        if a.ndim != 2 or b.ndim != 2 or tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
+            raise AdapterError(
+                f"adapter {name!r}: layer {layer} {proj} has A {tuple(a.shape)} and B {tuple(b.shape)}, but the base "
+                f"model with rank {rank} needs A {(rank, n_in)} and B {(n_out, rank)} (trained on another model?)")
+        a, b = a.float(), b.float()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"adapter {name!r}: layer {layer} {proj} holds non-finite values")
+        weights[(layer, proj)] = (a, b)
+    found = tuple(p for p in TARGET_MODULES if any(proj == p for _, proj in weights))
+    return LoraAdapter(name=name, folder=folder, rank=rank, alpha=alpha, scale=scale, target_modules=found,
+                       weights=weights)
+
+
+# ----------------------------------------------------------------------------- device pool
+
+
+def pool_bytes(config: LlamaConfig, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+    """Device memory of the pool (the memory planner counts it): max_loras + 1 entries."""
+    if max_loras <= 0:
+        return 0
+    shapes = projection_shapes(config)
+    per_layer = 0
+    for projs in FUSED_PROJECTIONS.values():
+        n_in = shapes[projs[0]][0]
+        n_out = sum(shapes[p][1] for p in projs)
+        per_layer += len(projs) * max_rank * (n_in + n_out)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (max_loras + 1) * config.n_layers * per_layer * itemsize
+
+
+class LoraPool:
+    """The fixed device tensors adapters are copied into (see the module docstring)."""
+
+    def __init__(self, config: LlamaConfig, *, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise EngineError("a LoRA pool needs max_loras >= 1 and max_lora_rank >= 1")
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shapes = projection_shapes(config)
+        self.a: dict[str, list[Tensor]] = {}
+        self.b: dict[str, list[Tensor]] = {}
+        self.out_offsets: dict[str, dict[str, tuple[int, int]]] = {}
+        for fused, projs in FUSED_PROJECTIONS.items():
+            n_in = shapes[projs[0]][0]
+            offsets, col = {}, 0
+            for p in projs:
+                offsets[p] = (col, col + shapes[p][1])
+                col += shapes[p][1]
+            self.out_offsets[fused] = offsets
+            width = len(projs) * max_rank
+            self.a[fused] = [torch.zeros(max_loras + 1, n_in, width, dtype=dtype, device=self.device)
+                             for _ in range(config.n_layers)]
+            self.b[fused] = [torch.zeros(max_loras + 1, width, col, dtype=dtype, device=self.device)
+                             for _ in range(config.n_layers)]
+
+    def write(self, entry: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter into entry 1..max_loras (zeroing whatever was there)."""
+        if not 1 <= entry <= self.max_loras:
+            raise ValueError(f"pool entry {entry} is outside 1..{self.max_loras}")
+        for fused, projs in FUSED_PROJECTIONS.items():
+            for layer in range(self.config.n_layers):
+                a = torch.zeros_like(self.a[fused][layer][entry], device="cpu", dtype=torch.float32)
+                b = torch.zeros_like(self.b[fused][layer][entry], device="cpu", dtype=torch.float32)
+                for s, proj in enumerate(projs):
+                    pair = adapter.weights.get((layer, proj))
+                    if pair is None:
+                        continue
+                    la, lb = pair  # [r, in], [out, r]
+                    lo, hi = self.out_offsets[fused][proj]
+                    rows = slice(s * self.max_rank, s * self.max_rank + adapter.rank)
+                    a[:, rows] = la.t()
+                    b[rows, lo:hi] = lb.t() * adapter.scale
+                self.a[fused][layer][entry].copy_(a.to(self.dtype), non_blocking=True)
+                self.b[fused][layer][entry].copy_(b.to(self.dtype), non_blocking=True)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for side in (self.a, self.b) for ts in side.values() for t in ts)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """Which pool entry each row of one forward pass uses.
+
+    `rows` None (pool mode): every row is computed, `entries` [B] with 0 for rows without an
+    adapter; fixed shapes, so it can be captured in a CUDA graph. `rows` [n] (gather mode): only
+    those rows, `entries` [n] their entries (all >= 1)."""
+
+    pool: LoraPool
+    entries: Tensor
+    rows: Tensor | None = None
+
+    @classmethod
+    def for_rows(cls, pool: LoraPool, entries: Sequence[int], *, gather: bool) -> LoraBatch | None:
+        """None when no row has an adapter (the step then does no LoRA work at all)."""
+        if not any(entries):
+            return None
+        device = pool.device
+        if not gather:
+            return cls(pool, torch.tensor(list(entries), dtype=torch.int64, device=device))
+        rows = [i for i, e in enumerate(entries) if e]
+        index = torch.tensor([rows, [entries[i] for i in rows]], dtype=torch.int64).to(device)
+        return cls(pool, index[1], None if len(rows) == len(entries) else index[0])
+
+    def layer(self, index: int) -> LayerLora:
+        return LayerLora(self, index)
+
+    def apply(self, fused: str, layer: int, x: Tensor, y: Tensor) -> Tensor:
+        """x [B, T, in] (the linear's input), y [B, T, out] (its output) -> y + the rows' LoRA terms."""
+        a = self.pool.a[fused][layer].index_select(0, self.entries)  # [n, in, S*R]
+        b = self.pool.b[fused][layer].index_select(0, self.entries)  # [n, S*R, out]
+        if self.rows is None:
+            return y + torch.bmm(torch.bmm(x, a), b)
+        delta = torch.bmm(torch.bmm(x.index_select(0, self.rows), a), b)
+        return y.index_add(0, self.rows, delta)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLora:
+    """A LoraBatch bound to one layer: what llama.py's linears call."""
+
+    batch: LoraBatch
+    index: int
+
+    def __call__(self, fused: str, x: Tensor, y: Tensor) -> Tensor:
+        return self.batch.apply(fused, self.index, x, y)
+
+
+# ----------------------------------------------------------------------------- manager
+
+AdapterState = Literal["available", "loaded", "resident", "unloading"]
+
+
+@dataclass(slots=True)
+class AdapterStatus:
+    name: str
+    state: AdapterState  # on disk only | read and checked (copied into the pool at the next step) | in the pool | ...
+    sessions: int = 0  # running sessions that use it
+    rank: int | None = None
+    target_modules: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "state": self.state, "sessions": self.sessions, "rank": self.rank,
+                "target_modules": list(self.target_modules), "error": self.error}
+
+
+class LoraManager:
+    """Adapters on disk, the LRU device pool, and which sessions pin which entry (module docstring)."""
+
+    def __init__(self, config: LlamaConfig, *, adapters_dir: str | Path | None, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.config = config
+        self.adapters_dir = Path(adapters_dir) if adapters_dir else None
+        self.max_rank = max_rank
+        self.pool = LoraPool(config, max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device)
+        self.gather = self.pool.device.type != "cuda"
+        self._lock = threading.Lock()
+        self._staged: dict[str, LoraAdapter] = {}  # read and checked, waiting for the engine thread
+        self._resident: OrderedDict[str, int] = OrderedDict()  # name -> pool entry, least recently used first
+        self._info: dict[str, LoraAdapter] = {}  # metadata of staged or resident adapters (weights dropped)
+        self._pins: dict[str, int] = {}
+        self._unloading: set[str] = set()
+        self._errors: dict[str, str] = {}  # the last refusal per name, for the listing
+
+    # -- any thread
+
+    def folders(self) -> dict[str, Path]:
+        """Adapter folders in adapters_dir (scanned on every call: a dropped-in folder is seen at once)."""
+        if self.adapters_dir is None or not self.adapters_dir.is_dir():
+            return {}
+        return {p.name: p for p in sorted(self.adapters_dir.iterdir())
+                if p.is_dir() and valid_adapter_name(p.name) and (p / ADAPTER_CONFIG).is_file()}
+
+    def read(self, name: str) -> LoraAdapter:
+        folder = self.folders().get(name)
+        if folder is None:
+            raise AdapterError(f"no adapter named {name!r} in {self.adapters_dir}")
+        try:
+            adapter = read_peft_adapter(folder, self.config, max_rank=self.max_rank, name=name)
+        except AdapterError as exc:
+            with self._lock:
+                self._errors[name] = str(exc)
+            raise
+        with self._lock:
+            self._errors.pop(name, None)
+        return adapter
+
+    def load(self, name: str) -> AdapterStatus:
+        """Read and check now (AdapterError with the reason); copied into the pool at the next step."""
+        with self._lock:
+            if name in self._resident and name not in self._unloading:
+                self._resident.move_to_end(name)
+                return self._status(name)
+        adapter = self.read(name)
+        with self._lock:
+            self._unloading.discard(name)
+            if name not in self._resident:
+                self._staged[name] = adapter
+                self._info[name] = adapter
+            return self._status(name)
+
+    def unload(self, name: str) -> AdapterStatus:
+        """Drop from the pool; while sessions use it, once the last of them is released."""
+        with self._lock:
+            self._staged.pop(name, None)
+            if self._pins.get(name):
+                self._unloading.add(name)
+            else:
+                self._resident.pop(name, None)
+                self._info.pop(name, None)
+            return self._status(name)
+
+    def list(self) -> list[AdapterStatus]:
+        names = set(self.folders())
+        with self._lock:
+            names |= set(self._resident) | set(self._staged)
+            return [self._status(n) for n in sorted(names)]
+
+    def status(self, name: str) -> AdapterStatus:
+        with self._lock:
+            return self._status(name)
+
+    def _status(self, name: str) -> AdapterStatus:
+        info = self._info.get(name)
+        state: AdapterState = "available"
+        if name in self._unloading:
+            state = "unloading"
+        elif name in self._resident:
+            state = "resident"
+        elif name in self._staged:
+            state = "loaded"
+        return AdapterStatus(name=name, state=state, sessions=self._pins.get(name, 0),
+                             rank=info.rank if info else None,
+                             target_modules=list(info.target_modules) if info else [],
+                             error=self._errors.get(name))
+
+    # -- the engine thread, between forward passes
+
+    def acquire(self, name: str) -> int:
+        """Pin `name` for a starting session and return its pool entry, loading it (LRU) if needed.
+        AdapterError: unknown or bad adapter; AdapterBusyError: every entry is pinned."""
+        with self._lock:
+            entry = self._resident.get(name)
+            if entry is not None:  # an unload still pending is called off: the pool copy is good
+                self._unloading.discard(name)
+                return self._pin(name, entry)
+            staged = self._staged.pop(name, None)
+        adapter = staged or self.read(name)
+        with self._lock:
+            entry = self._free_entry(name)
+            self.pool.write(entry, adapter)
+            self._resident[name] = entry
+            self._info[name] = adapter
+            return self._pin(name, entry)
+
+    def _pin(self, name: str, entry: int) -> int:
+        self._resident.move_to_end(name)
+        self._pins[name] = self._pins.get(name, 0) + 1
+        return entry
+
+    def release(self, name: str) -> None:
+        """A session that used `name` has ended."""
+        with self._lock:
+            left = self._pins.get(name, 0) - 1
+            if left > 0:
+                self._pins[name] = left
+                return
+            self._pins.pop(name, None)
+            if name in self._unloading:
+                self._unloading.discard(name)
+                self._resident.pop(name, None)
+                self._info.pop(name, None)
+
+    def apply_staged(self) -> None:
+        """Copy adapters loaded through `load` into the pool (evicting unpinned ones, LRU first)."""
+        with self._lock:
+            while self._staged:
+                name, adapter = next(iter(self._staged.items()))
+                try:
+                    entry = self._free_entry(name)
+                except AdapterBusyError:
+                    return  # stays staged until an entry frees up
+                del self._staged[name]
+                self.pool.write(entry, adapter)
+                self._resident[name] = entry
+                self._resident.move_to_end(name)
+
+    def _free_entry(self, name: str) -> int:
+        used = set(self._resident.values())
+        for entry in range(1, self.pool.max_loras + 1):
+            if entry not in used:
+                return entry
+        for victim, entry in self._resident.items():  # least recently used first
+            if not self._pins.get(victim):
+                del self._resident[victim]
+                self._unloading.discard(victim)
+                if victim not in self._staged:
+                    self._info.pop(victim, None)
+                return entry
+        raise AdapterBusyError(f"adapter {name!r} cannot be loaded: all {self.pool.max_loras} LoRA pool entries "
+                               f"(engine.max_loras) hold adapters of running sessions")
