@@ -364,3 +364,24 @@ def test_memory_plan_counts_the_pool(tiny_orpheus: Path, adapters_dir: Path) -> 
     assert engine.memory_plan.lora_pool_bytes == expected == engine.lora.pool.nbytes() > 0
     assert "LoRA pool" in engine.memory_plan.describe()
     assert make_engine(tiny_orpheus).memory_plan.lora_pool_bytes == 0
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_adapters_equal_eager(tiny_orpheus: Path, adapters_dir: Path) -> None:
+    """Pool mode inside captured decode graphs (adapters and base rows mixed, padded batches) gives the
+    tokens of eager CUDA steps in gather mode (fp32)."""
+
+    def run(cuda_graphs: bool) -> list[list[int]]:
+        engine = TorchEngine(tiny_orpheus, num_slots=6, max_seq_len=256, device="cuda", dtype="fp32",
+                             max_batch_size=4, cuda_graphs=cuda_graphs, adapters_dir=adapters_dir, max_loras=4,
+                             max_lora_rank=MAX_RANK)
+        jobs = mixed_jobs()
+        drive(engine, jobs)
+        engine.close()
+        assert all(job.failure is None for job in jobs)
+        return [job.tokens for job in jobs]
+
+    assert run(True) == run(False)

@@ -52,6 +52,7 @@ from .codec.worker import CodecWorker
 from .config import Config
 from .engine_core import EngineCore
 from .engines.base import MemoryReport, TokenEngine
+from .engines.lora import adapter_call
 from .scheduler import (
     FlowStats,
     FramesReady,
@@ -116,6 +117,7 @@ class EngineCoreClient(Protocol):
     def release(self, session_id: str) -> None: ...
     def open_sessions(self) -> list[str]: ...
     def stats(self) -> EngineCoreStats: ...
+    async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]: ...
 
 
 def audible_lookahead(decoder: StreamingDecoder) -> int:
@@ -200,6 +202,11 @@ class CoreRuntime:
 
     def cancel(self, session_id: str) -> None:
         self._core.cancel(session_id, "cancelled")
+
+    def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
+        """Custom-voice adapters: "list", "load" or "unload" one (engines/lora.adapter_call); AdapterError
+        with the reason. Any thread: the engine writes its adapter pool only between steps."""
+        return adapter_call(getattr(self.engine, "lora", None), op, name)
 
     def stats(self, *, core_cpu_s: float = 0.0) -> EngineCoreStats:
         backlog_frames, oldest_s = self._codec.backlog()
@@ -305,6 +312,9 @@ class InprocClient:
 
     def stats(self) -> EngineCoreStats:
         return self._runtime.stats()
+
+    async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self._runtime.adapters, op, name)  # a load reads the adapter's files
 
     # ------------------------------------------- from the engine core and codec threads
 

@@ -49,6 +49,7 @@ from .codec.base import StreamingDecoder
 from .config import Config
 from .engine_client import CoreRuntime, SessionDone, SessionOutput
 from .engines.base import TokenEngine
+from .engines.lora import AdapterError
 from .scheduler import InvalidSessionError, SchedulerFullError
 from .synthesis import ServiceUnavailableError
 
@@ -189,6 +190,12 @@ class EngineCoreProc:
         if kind == wire.CALL_STATS:
             stats = self._runtime.stats(core_cpu_s=time.process_time())
             self._reply(identity, [seq, wire.OK, wire.encode_stats(stats), list(self._figures.items())])
+            return False
+        if kind == wire.CALL_ADAPTERS:
+            try:
+                self._reply(identity, [seq, wire.OK, self._runtime.adapters(message[2], message[3])])
+            except AdapterError as exc:
+                self._reply(identity, [seq, wire.INVALID, str(exc)])
             return False
         if kind == CALL_SHUTDOWN:
             self._halt()

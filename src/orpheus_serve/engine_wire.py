@@ -38,6 +38,7 @@ NOTES = 3
 FIGURES = 5
 API_GONE = 6
 LOOP_LAG = 7
+CALL_ADAPTERS = 8  # [kind, seq, op, name] -> [seq, OK, [status, ...]] | [seq, INVALID, reason]
 
 OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s

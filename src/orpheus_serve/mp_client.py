@@ -70,6 +70,7 @@ from . import engine_wire as wire
 from .config import Config
 from .engine_client import EngineCoreStats, SessionDone, SessionOutput
 from .engine_proc import CALL_SHUTDOWN, CoreAddresses, CoreInfo, run_engine_core
+from .engines.lora import AdapterError
 from .scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from .synthesis import ServiceUnavailableError
 
@@ -467,6 +468,13 @@ class MPClient:
             failure = self._core_failure or "the engine core is not running"
         assert self._last_stats is not None  # launch() took one
         return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
+
+    async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
+        """The core's custom-voice adapters (engines/lora.adapter_call); AdapterError with the reason."""
+        status, detail = await self._acall(wire.CALL_ADAPTERS, op, name)
+        if status != wire.OK:
+            raise AdapterError(detail)
+        return detail
 
     def _stats_call(self) -> EngineCoreStats:
         _, values, figures = self._call(wire.CALL_STATS)

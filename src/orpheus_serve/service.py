@@ -62,6 +62,7 @@ from .synthesis import (
 from .text import TEXT_CHUNK_CHARS, speech_chunks
 from .text_stream import TextChunk, TextStream
 from .validation import Limits, resolve_sampling, validate_request
+from .voice_catalog import VoiceCatalog
 from .word_timings import AudioEnvelope, estimate_word_timings
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class TTSService:
         self._client = client
         self._tokenizer = tokenizer
         self._limits = Limits.from_config(config, max_seq_len=max_seq_len, chunk_chars=TEXT_CHUNK_CHARS)
+        self.voices = VoiceCatalog(config.voices.adapters_dir)  # built-in + custom (LoRA) voices
         self.token_log = token_log
         self.tally = RequestTally()
         self._observers: list[ServiceObserver] = [self.tally]
@@ -167,10 +169,20 @@ class TTSService:
     def validate(self, req: SynthesisRequest) -> SynthesisRequest:
         """`req` checked against what this server's engine can take (validation.py): text normalised,
         voice resolved, max_tokens clamped to the context. InvalidRequestError naming the parameter."""
-        return validate_request(req, self._limits, prompt_len=lambda voice, text: len(self.prompt_ids(voice, text)))
+        req = validate_request(req, self._limits, prompt_len=lambda voice, text: len(self.prompt_ids(voice, text)),
+                               resolve_voice=self.voices.resolve)
+        defaults = self.voices.get(req.voice).sampling  # a custom voice's voice.json; the request's own values win
+        unset = {k: v for k, v in defaults.items() if getattr(req, k) is None}
+        if "top_k" in unset:
+            unset["top_k"] = int(unset["top_k"])
+        return replace(req, **unset) if unset else req
+
+    async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
+        """Custom-voice adapters in the engine: "list", "load" or "unload" one (api/admin.py)."""
+        return await self._client.adapters(op, name)
 
     def prompt_ids(self, voice: str, text: str) -> tuple[int, ...]:
-        return tuple(protocol.build_prompt_ids(self._tokenizer, voice, text))
+        return tuple(protocol.build_prompt_ids(self._tokenizer, self.voices.get(voice).prompt_name, text))
 
     async def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | ChunkTimings | SynthesisMetrics]:
         """AudioChunk items (and, with timestamps or incremental text, a ChunkTimings after each text chunk's
@@ -342,7 +354,8 @@ class TTSService:
             sampling = replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1))  # seeds wrap in 0..2^64-1
         session = SessionRequest(request_id=session_id, prompt_ids=self.prompt_ids(req.voice, chunk.text),
                                  sampling=sampling, arrival_s=now if k else run.received,
-                                 playback_start_s=played_from if k else None, audio_before_s=audio_before if k else 0.0)
+                                 playback_start_s=played_from if k else None, audio_before_s=audio_before if k else 0.0,
+                                 adapter=self.voices.get(req.voice).adapter)
         if self.token_log is not None:
             self.token_log.record(session_id, chunk.text, session.prompt_ids)
         try:

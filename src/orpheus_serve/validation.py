@@ -184,13 +184,14 @@ def _check_number(value: Any, name: str, allowed: Range) -> None:
         raise InvalidRequestError(f"{name} must be a number in {allowed}", param=name)
 
 
-def validate_request(req: SynthesisRequest, limits: Limits, *, prompt_len: Callable[[str, str], int]
-                     ) -> SynthesisRequest:
+def validate_request(req: SynthesisRequest, limits: Limits, *, prompt_len: Callable[[str, str], int],
+                     resolve_voice: Callable[[str | None], str] = protocol.resolve_voice) -> SynthesisRequest:
     """`req` with its text normalised, its voice resolved and max_tokens clamped to the context;
     InvalidRequestError naming the parameter otherwise. `prompt_len(voice, text)` is the length of
-    the prompt ids the engine would be given for one chunk."""
+    the prompt ids the engine would be given for one chunk; `resolve_voice` the voice catalog's lookup
+    (voice_catalog.py: built-in and custom voices)."""
     check_request_id(req.request_id)
-    voice = _voice(req.voice)
+    voice = _voice(req.voice, resolve_voice)
     # Incremental text is checked piece by piece as it is pushed (text_stream.py), and cut into chunks
     # no longer than a whole text's.
     text = req.text if req.text_input is not None else _text(req.text, limits, voice, prompt_len)
@@ -215,11 +216,11 @@ def validate_request(req: SynthesisRequest, limits: Limits, *, prompt_len: Calla
     return replace(req, text=text, voice=voice, max_tokens=max_tokens)
 
 
-def _voice(voice: Any) -> str:
+def _voice(voice: Any, resolve_voice: Callable[[str | None], str]) -> str:
     if isinstance(voice, str):
         check_unicode(voice, "voice")
     try:
-        return protocol.resolve_voice(voice)
+        return resolve_voice(voice)
     except protocol.UnknownVoiceError as exc:
         raise InvalidRequestError(str(exc), param="voice") from None
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
 from ..metrics import ServingMetrics
-from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
+from ..protocol import SAMPLE_RATE
 from ..stats import merge_api_processes
 from ..synthesis import (
     PROTOCOLS,
@@ -57,6 +57,7 @@ from ..synthesis import (
     SynthesisMetrics,
     SynthesisRequest,
 )
+from ..voice_catalog import VoiceCatalog
 from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class SpeechService(Protocol):
     def stats(self) -> dict: ...
     def snapshot(self) -> ServiceSnapshot: ...
     def add_observer(self, observer: Any) -> None: ...
+    @property
+    def voices(self) -> VoiceCatalog: ...
+    async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +135,9 @@ class ConnectionLimiter:
         self._open -= 1
 
 
-def voice_list() -> list[dict[str, Any]]:
-    """Every Orpheus voice with the OpenAI names accepted for it."""
-    return [{"id": v, "name": v.capitalize(), "aliases": sorted(a for a, t in OPENAI_VOICE_ALIASES.items() if t == v)}
-            for v in VOICES]
+def voice_list(catalog: VoiceCatalog | None = None) -> list[dict[str, Any]]:
+    """Every Orpheus voice with the OpenAI names accepted for it, then the catalog's custom voices."""
+    return (catalog or VoiceCatalog()).voice_list()
 
 
 _UNAVAILABLE = {

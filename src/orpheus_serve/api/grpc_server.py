@@ -173,7 +173,8 @@ class SynthesizerService(pb_grpc.SynthesizerServicer):
             check_decoded(request)
         except InvalidRequestError as exc:
             await abort_call(context, exc)
-        return pb.ListVoicesResponse(voices=[pb.Voice(**v) for v in voice_list()])
+        return pb.ListVoicesResponse(voices=[pb.Voice(id=v["id"], name=v["name"], aliases=v["aliases"])
+                                             for v in voice_list(self.gateway.service.voices)])
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -34,6 +34,7 @@ from ..audio import CONTENT_TYPES
 from ..config import Config
 from ..metrics import PROMETHEUS_CONTENT_TYPE
 from ..synthesis import InvalidRequestError, SynthesisError
+from .admin import add_admin_routes
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
 from .schemas import (
@@ -410,9 +411,11 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             out["warning"] = info.warning or "serving the tiny random-weight model: the audio is noise"
         return out
 
-    @app.get("/v1/audio/voices", response_model=VoiceList, responses=_errors(401))
+    @app.get("/v1/audio/voices", response_model=VoiceList, response_model_exclude_unset=True, responses=_errors(401))
     async def voices() -> dict[str, Any]:
-        return {"voices": voice_list()}
+        return {"voices": voice_list(gateway.service.voices)}
+
+    add_admin_routes(app, gateway)
 
     @app.get("/v1/stats", response_model=StatsBody, response_model_exclude_unset=True, responses=_errors(401))
     async def stats() -> dict[str, Any]:

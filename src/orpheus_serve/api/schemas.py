@@ -216,6 +216,8 @@ class Voice(BaseModel):
     id: str
     name: str
     aliases: list[str] = Field(description="OpenAI voice names accepted for this voice.")
+    custom: bool | None = Field(None, description="A custom voice: a LoRA adapter of `voices.adapters_dir`.")
+    description: str | None = Field(None, description="A custom voice's description (its voice.json).")
 
 
 class VoiceList(BaseModel):

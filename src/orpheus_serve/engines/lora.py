@@ -335,7 +335,6 @@ class LoraManager:
         self.adapters_dir = Path(adapters_dir) if adapters_dir else None
         self.max_rank = max_rank
         self.pool = LoraPool(config, max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device)
-        self.gather = self.pool.device.type != "cuda"
         self._lock = threading.Lock()
         self._staged: dict[str, LoraAdapter] = {}  # read and checked, waiting for the engine thread
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> pool entry, least recently used first
@@ -481,3 +480,20 @@ class LoraManager:
                 return entry
         raise AdapterBusyError(f"adapter {name!r} cannot be loaded: all {self.pool.max_loras} LoRA pool entries "
                                f"(engine.max_loras) hold adapters of running sessions")
+
+
+ADAPTER_OPERATIONS = ("list", "load", "unload")
+
+
+def adapter_call(manager: LoraManager | None, op: str, name: str | None = None) -> list[dict[str, object]]:
+    """The admin operations on custom-voice adapters, as both process modes run them: "list" (every
+    adapter), "load" or "unload" one (its status). AdapterError with the reason otherwise."""
+    if manager is None:
+        raise AdapterError("custom voices are off: set voices.adapters_dir (torch engine)")
+    if op == "list":
+        return [s.as_dict() for s in manager.list()]
+    if op not in ADAPTER_OPERATIONS:
+        raise AdapterError(f"unknown adapter operation {op!r} (one of {', '.join(ADAPTER_OPERATIONS)})")
+    if not isinstance(name, str) or not valid_adapter_name(name):
+        raise AdapterError(f"adapter name {name!r} is not valid (letters, digits and '_.-', at most 64)")
+    return [(manager.load(name) if op == "load" else manager.unload(name)).as_dict()]

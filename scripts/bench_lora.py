@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""What batched LoRA voices cost: decode tokens/s of a batch with adapters against the same batch without.
+
+    python scripts/bench_lora.py                              # tiny + ~100M Llamas, batch 16, 8 adapters of rank 16
+    python scripts/bench_lora.py --presets 100m --batch 16 --adapters 0,1,8,16 --rank 64 --rounds 9
+    python scripts/bench_lora.py --presets "" --model models/orpheus --adapters-dir voices --device cuda
+
+One engine (adapters pool of max(adapters) entries) holds one group of `batch` sessions per
+adapter count: the sessions of the group with N adapters use adapter i % N (none for N = 0),
+all prefilled before timing. Each round runs `--steps` decode steps of every group in turn, so
+every group sees the same machine conditions (a shared, loaded machine changes speed from one
+second to the next); the median round per group is reported, with its ratio to the group
+without adapters. Random adapters (all seven target modules) are written into a temporary
+folder unless --adapters-dir is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from orpheus_serve import protocol as P  # noqa: E402
+from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
+from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
+from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
+from orpheus_serve.tiny_models import write_lora_adapter  # noqa: E402
+
+PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
+SAMPLING = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, seed=0)
+
+
+def ensure_model(models_dir: Path, preset: str) -> Path:
+    folder = models_dir / PRESET_FOLDERS[preset]
+    if not (folder / "config.json").exists():
+        from scripts.make_tiny_models import main as make_tiny_models
+
+        make_tiny_models(["--out", str(models_dir), "--preset", preset, "--skip-snac"])
+    return folder
+
+
+def measure(model: Path, adapters_dir: Path, names: list[str], *, batch: int, counts: list[int], steps: int,
+            rounds: int, device: str, dtype: str, rank: int) -> list[tuple[int, float]]:
+    """[(adapters in the batch, median tokens/s)]"""
+    engine = TorchEngine(model, num_slots=batch * len(counts), max_seq_len=64 + steps * rounds + 8, device=device,
+                         dtype=dtype, max_batch_size=batch, adapters_dir=adapters_dir,
+                         max_loras=max(1, max(counts)), max_lora_rank=rank, seed=0)
+    groups: list[list[int]] = []
+    for g, count in enumerate(counts):
+        slots = list(range(g * batch, (g + 1) * batch))
+        for i, slot in enumerate(slots):
+            prompt = (P.START_OF_HUMAN, P.BOS, *range(100 + i, 120 + i), *P.PROMPT_SUFFIX)
+            adapter = names[i % count] if count else None
+            out = engine.step(StepPlan(prefill=[PrefillChunk(slot, f"g{g}s{i}", prompt, 0, len(prompt), SAMPLING,
+                                                             adapter=adapter)]))
+            assert not out.failed, out.failed
+        groups.append(slots)
+    engine.step(StepPlan(decode=groups[0]))  # warm-up
+    times: list[list[float]] = [[] for _ in counts]
+    for _ in range(rounds):
+        for g, slots in enumerate(groups):
+            started = time.perf_counter()
+            for _ in range(steps):
+                out = engine.step(StepPlan(decode=slots))
+                assert not out.failed, out.failed
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            times[g].append(time.perf_counter() - started)
+    engine.close()
+    return [(count, batch * steps / statistics.median(t)) for count, t in zip(counts, times, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="tiny,100m", help="random-weight models to run (comma list; '' for none)")
+    ap.add_argument("--model", default=None, help="also run this Llama folder")
+    ap.add_argument("--models-dir", default=str(ROOT / "models"))
+    ap.add_argument("--adapters-dir", default=None, help="PEFT adapters for --model (default: random ones)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--adapters", default="0,8", help="adapter counts in a batch (comma list; 0 = base model)")
+    ap.add_argument("--rank", type=int, default=16, help="rank of the random adapters (and the pool)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    counts = [int(c) for c in args.adapters.split(",")]
+    models = [(p, ensure_model(Path(args.models_dir), p)) for p in args.presets.split(",") if p]
+    if args.model:
+        models.append((Path(args.model).name, Path(args.model)))
+
+    print(f"device {device}, dtype {dtype}, batch {args.batch}, rank {args.rank}, {args.steps} steps x "
+          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    print(f"{'model':<14}{'adapters':>9}{'tokens/s':>11}{'vs base':>9}")
+    for label, folder in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.adapters_dir:
+                adapters_dir = Path(args.adapters_dir)
+                names = sorted(p.name for p in adapters_dir.iterdir() if (p / "adapter_config.json").is_file())
+            else:
+                adapters_dir = Path(tmp)
+                names = [f"voice{i}" for i in range(max(counts))]
+                for i, name in enumerate(names):
+                    write_lora_adapter(adapters_dir / name, folder, seed=i, rank=args.rank)
+            if max(counts) > len(names):
+                raise SystemExit(f"{adapters_dir} holds {len(names)} adapters, fewer than {max(counts)}")
+            results = measure(folder, adapters_dir, names, batch=args.batch, counts=counts, steps=args.steps,
+                              rounds=args.rounds, device=device, dtype=dtype, rank=args.rank)
+        base = dict(results).get(0)
+        for count, tps in results:
+            ratio = f"{tps / base:.2f}" if base else "-"
+            print(f"{label:<14}{count:>9}{tps:>11.0f}{ratio:>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Custom voices (LoRA adapters) through a real server: listings, requests by name, unknown voices, the admin
+endpoints, and hot load/unload under running streams, with the engine core in the server's process and in
+its own process (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from orpheus_serve.api.server import ServerThread
+from orpheus_serve.service import TTSService
+from orpheus_serve.tiny_models import write_lora_adapter, write_lora_adapters
+from orpheus_serve.voice_catalog import VoiceCatalog
+from tests.gateway_support import check_openai_error, start_server, tiny_config
+
+KEY = "admin-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEXT = "Custom voices speak through their own adapter, in the same batch as the others."
+
+
+@pytest.fixture(scope="module")
+def voices_dir(tmp_path_factory: pytest.TempPathFactory, tiny_orpheus: Path) -> Path:
+    out = tmp_path_factory.mktemp("voices")
+    write_lora_adapters(out, tiny_orpheus, 3, seed=1)
+    write_lora_adapter(out / "too-big", tiny_orpheus, seed=9, rank=16)  # over max_lora_rank 8: refused at load
+    shutil.copytree(out / "voice0", out / "tara")  # a built-in voice's name: not a custom voice
+    return out
+
+
+def voice_server(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path, *, engine_process: bool,
+                 api_keys: list[str] | None = None) -> ServerThread:
+    """In one process the service records every session's tokens (what the engine generated, before the codec,
+    whose float rounding depends on how frames of concurrent streams are grouped into its passes)."""
+    config = tiny_config(tiny_orpheus, tiny_snac, **{
+        "voices.adapters_dir": str(voices_dir), "voices.max_loras": 2, "voices.max_lora_rank": 8,
+        "server.api_keys": [KEY] if api_keys is None else api_keys, "server.engine_process": engine_process,
+        "sampling.max_tokens": 140})
+    if engine_process:
+        return start_server(config)
+    return ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+
+
+def generated(server: ServerThread, response: httpx.Response) -> list[list[int]] | None:
+    """The frames the engine generated for a response's request (in one process), None otherwise."""
+    log = server.server.service.token_log
+    if log is None:
+        return None
+    request_id = response.headers["X-Request-Id"]
+    return [log[key]["frames"] for key in sorted(k for k in log if k.startswith(f"{request_id}-"))]
+
+
+def speak(base_url: str, voice: str, **extra: Any) -> httpx.Response:
+    body = {"input": TEXT, "voice": voice, "response_format": "pcm", "temperature": 0, "seed": 7, **extra}
+    return httpx.post(f"{base_url}/v1/audio/speech", json=body, headers=AUTH, timeout=120)
+
+
+def admin(base_url: str, method: str, path: str = "", **kwargs: Any) -> httpx.Response:
+    return httpx.request(method, f"{base_url}/v1/admin/adapters{path}", timeout=60, **kwargs)
+
+
+def test_catalog_lists_builtin_then_custom_voices(voices_dir: Path) -> None:
+    catalog = VoiceCatalog(voices_dir)
+    names = catalog.names()
+    assert names[:8] == ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
+    assert names[8:] == ["too-big", "voice0", "voice1", "voice2"]  # the folder named tara is no custom voice
+    voice = catalog.get("VOICE1")
+    assert (voice.name, voice.adapter, voice.prompt_name) == ("voice1", "voice1", "voice1")
+    assert voice.sampling == {"temperature": 0.6, "top_p": 0.9}
+    assert catalog.get("alloy").adapter is None and catalog.get("alloy").name == "tara"
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["inproc", "core-process"])
+def test_custom_voices_served_listed_and_managed(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path,
+                                                 engine_process: bool) -> None:
+    server = voice_server(tiny_orpheus, tiny_snac, voices_dir, engine_process=engine_process)
+    base = server.base_url
+    try:
+        listed = httpx.get(f"{base}/v1/audio/voices", headers=AUTH).json()["voices"]
+        custom = {v["id"]: v for v in listed if v.get("custom")}
+        assert set(custom) == {"too-big", "voice0", "voice1", "voice2"}
+        assert custom["voice0"]["description"].startswith("tiny random LoRA voice")
+        assert all("custom" not in v for v in listed if v["id"] == "tara")
+
+        # Unknown voice: 400 naming the voices there are, custom ones included.
+        error = check_openai_error(speak(base, "nobody"), 400)
+        assert error["param"] == "voice" and "voice0" in error["message"] and "tara" in error["message"]
+
+        # The admin endpoints need the key.
+        assert admin(base, "GET").status_code == 401
+        states = {a["name"]: a for a in admin(base, "GET", headers=AUTH).json()["adapters"]}
+        assert states["voice0"]["state"] == "available" and states["voice0"]["sessions"] == 0
+
+        # A request by name runs on its adapter (it is in the pool afterwards), and differs from the base model
+        # given the same prompt name.
+        custom_pcm = speak(base, "voice0")
+        assert custom_pcm.status_code == 200 and len(custom_pcm.content) > 0
+        states = {a["name"]: a for a in admin(base, "GET", headers=AUTH).json()["adapters"]}
+        assert states["voice0"]["state"] == "resident" and states["voice0"]["rank"] == 8
+
+        # A bad adapter is refused at load with the reason; the server goes on serving.
+        refused = check_openai_error(admin(base, "POST", "/too-big/load", headers=AUTH), 400)
+        assert "rank 16 is over" in refused["message"]
+        check_openai_error(admin(base, "POST", "/ghost/load", headers=AUTH), 400)
+        loaded = admin(base, "POST", "/voice1/load", headers=AUTH).json()
+        assert loaded["state"] in ("loaded", "resident") and loaded["target_modules"]
+        assert admin(base, "POST", "/voice0/unload", headers=AUTH).json()["state"] == "available"
+        again = speak(base, "voice0")  # loaded again on demand: the same tokens
+        assert again.status_code == 200 and len(again.content) == len(custom_pcm.content)
+        assert generated(server, again) == generated(server, custom_pcm)
+    finally:
+        server.stop()
+
+
+def test_admin_endpoints_are_off_without_api_keys(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path) -> None:
+    server = voice_server(tiny_orpheus, tiny_snac, voices_dir, engine_process=False, api_keys=[])
+    try:
+        check_openai_error(admin(server.base_url, "GET"), 403)
+        check_openai_error(admin(server.base_url, "POST", "/voice0/load"), 403)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["inproc", "core-process"])
+def test_hot_load_and_unload_leave_running_streams_byte_identical(tiny_orpheus: Path, tiny_snac: Path,
+                                                                  voices_dir: Path, engine_process: bool) -> None:
+    """Three concurrent greedy streams (two adapters and the base model) generate the same tokens with and
+    without admin calls (loads, an unload of a voice in use, which waits for its stream) between their steps
+    (tokens compared in one process; with the core apart, the lengths)."""
+    server = voice_server(tiny_orpheus, tiny_snac, voices_dir, engine_process=engine_process)
+    base = server.base_url
+    voices = ["voice0", "voice1", "leo"]
+
+    def run_all(during: list[tuple[str, str]]) -> list[httpx.Response]:
+        results: dict[str, httpx.Response] = {}
+        started = threading.Barrier(len(voices) + 1)
+
+        def one(voice: str) -> None:
+            started.wait()
+            response = speak(base, voice)
+            assert response.status_code == 200, response.text
+            results[voice] = response
+
+        threads = [threading.Thread(target=one, args=(v,)) for v in voices]
+        for t in threads:
+            t.start()
+        started.wait()
+        answers = [admin(base, "POST", path, headers=AUTH) for _, path in during]
+        for t in threads:
+            t.join(120)
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        return [results[v] for v in voices]
+
+    try:
+        quiet = run_all([])
+        busy = run_all([("load", "/voice2/load"), ("unload", "/voice0/unload"), ("unload", "/voice1/unload"),
+                        ("load", "/voice0/load"), ("unload", "/voice2/unload")])
+        assert [len(r.content) for r in busy] == [len(r.content) for r in quiet]
+        assert [generated(server, r) for r in busy] == [generated(server, r) for r in quiet]
+        states = {a["name"]: a for a in admin(base, "GET", headers=AUTH).json()["adapters"]}
+        assert all(a["sessions"] == 0 for a in states.values())
+    finally:
+        server.stop()
