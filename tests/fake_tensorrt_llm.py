@@ -4,12 +4,13 @@ TensorRT-LLM cannot even be imported without a CUDA GPU, so the adapter's
 contract is tested against this fake. It mirrors, by name and behaviour, what
 the 1.2.x sources do (llmapi/llm.py, executor/result.py, sampling_params.py):
 
-- `LLM.generate_async(inputs, sampling_params=None, ..., streaming=False)` returns
+- `LLM.generate_async(inputs, sampling_params=None, lora_request=None, ..., streaming=False)` returns
   a RequestOutput at once. It must be called with an asyncio loop running in the
   calling thread (the real result binds an AsyncQueue to it, `has_event_loop()`);
   here a call from elsewhere raises RuntimeError. It raises ValueError when
   prompt + max_tokens exceed max_seq_len (`BaseLLM._check_arguments`), and
-  RuntimeError after shutdown.
+  RuntimeError after shutdown. `lora_request` is a `LoRARequest` (executor/request.py), kept on the
+  request (the fake does not change tokens by adapter).
 - `async for output in request_output` yields the same object after each
   response; `outputs[0].token_ids`, `token_ids_diff`, `finish_reason`
   ('stop' on end_id, 'length' on max_tokens, 'cancelled' after abort);
@@ -71,6 +72,25 @@ class FakeSamplingParams:
             raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
 
 
+@dataclass(slots=True)
+class FakeLoRARequest:
+    """`tensorrt_llm.executor.LoRARequest` (executor/request.py, 1.2.x): a name, the integer id the runtime's
+    LoRA cache is keyed by, the adapter folder (which must exist), and its format ('hf' or 'nemo')."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    lora_ckpt_source: str = "hf"
+
+    def __post_init__(self) -> None:
+        import os
+
+        if self.lora_path is not None and not os.path.exists(self.lora_path):
+            raise ValueError(f"lora_path ({self.lora_path}) does not exist.")
+        if self.lora_ckpt_source not in ("hf", "nemo"):
+            raise ValueError(f"lora_ckpt_source must be 'hf' or 'nemo', got '{self.lora_ckpt_source}'")
+
+
 class RequestError(RuntimeError):
     """Same name as tensorrt_llm.executor.utils.RequestError (a per-request failure)."""
 
@@ -120,6 +140,7 @@ class FakeRequestOutput:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = params
         self.priority = priority
+        self.lora_request: FakeLoRARequest | None = None
         self.outputs = [FakeCompletionOutput(0)]
         self.abort_calls = 0
         # runtime-side state (guarded by the FakeLLM's lock)
@@ -203,8 +224,11 @@ class FakeLLM:
     # ------------------------------------------------------------- API surface
 
     def generate_async(self, inputs: Sequence[int], sampling_params: FakeSamplingParams | None = None,
-                       streaming: bool = False, **kwargs: Any) -> FakeRequestOutput:
-        return self._enqueue(inputs, sampling_params, streaming, priority=0.5, **kwargs)
+                       lora_request: FakeLoRARequest | None = None, streaming: bool = False,
+                       **kwargs: Any) -> FakeRequestOutput:
+        request = self._enqueue(inputs, sampling_params, streaming, priority=0.5, **kwargs)
+        request.lora_request = lora_request
+        return request
 
     def shutdown(self) -> None:
         with self._cond:
@@ -358,10 +382,13 @@ class FakeLLMWithPriority(FakeLLM):
     """The LLM API after 1.2 (PR #12362): `generate_async(..., priority=)` and a priority-ordered queue."""
 
     def generate_async(self, inputs: Sequence[int], sampling_params: FakeSamplingParams | None = None,
-                       streaming: bool = False, priority: float = 0.5, **kwargs: Any) -> FakeRequestOutput:
+                       lora_request: FakeLoRARequest | None = None, streaming: bool = False, priority: float = 0.5,
+                       **kwargs: Any) -> FakeRequestOutput:
         if not 0.0 <= priority <= 1.0:
             raise ValueError(f"priority must be in [0, 1], got {priority}")
-        return self._enqueue(inputs, sampling_params, streaming, priority=priority, **kwargs)
+        request = self._enqueue(inputs, sampling_params, streaming, priority=priority, **kwargs)
+        request.lora_request = lora_request
+        return request
 
     def _sort_waiting(self) -> None:
         self._waiting.sort(key=lambda r: -r.priority)  # stable: first come first among equals

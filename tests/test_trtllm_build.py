@@ -259,10 +259,27 @@ def test_build_runtime_claims_a_small_kv_cache_and_saves_before_shutdown(monkeyp
     monkeypatch.setitem(sys.modules, "tensorrt_llm._tensorrt_engine", engine_module)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
 
+    lora_helper = types.ModuleType("tensorrt_llm.lora_helper")
+    lora_helper.LoraConfig = type("LoraConfig", (Recorder,), {})
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.lora_helper", lora_helper)
+
     config = load_config(overrides=["scheduler.max_concurrent_sessions=32", "engine.max_seq_len=4096"])
     settings = BuildSettings.from_config(config, model_dir=str(tmp_path / "m"), out_dir=str(tmp_path / "e" / "x"),
                                          dtype="fp16")
+    assert settings.max_lora_rank == 0  # no custom voices configured: no LoRA plugin
     run_build(settings, None, 0)
+    assert "enable_lora" not in calls[0][1]
+    # With voices.adapters_dir, the engine gets the LoRA plugin for every target module at the pool's rank.
+    with_voices = load_config(overrides=["voices.adapters_dir=voices", "voices.max_lora_rank=32",
+                                         "voices.max_loras=4"])
+    lora_settings = BuildSettings.from_config(with_voices, model_dir=str(tmp_path / "m"),
+                                              out_dir=str(tmp_path / "e" / "y"), dtype="fp16")
+    run_build(lora_settings, None, 0)
+    lora_init = calls[3][1]
+    assert lora_init["enable_lora"] is True
+    lora = lora_init["lora_config"].kwargs
+    assert (lora["max_lora_rank"], lora["max_loras"], len(lora["lora_target_modules"])) == (32, 4, 7)
+    del calls[3:]
 
     assert [c[0] for c in calls] == ["init", "save", "shutdown"]
     kv = calls[0][1]["kv_cache_config"].kwargs

@@ -8,12 +8,15 @@ logits processor in the loop, the bounded wait of step(), and close().
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -797,3 +800,63 @@ def test_from_config_takes_model_shapes_from_the_manifest(tmp_path) -> None:
         assert report.kv_bytes_per_slot == 2 * 2 * 2 * 16 * 1024 * 2
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------ custom voices (LoRA)
+
+
+def test_adapter_sessions_carry_a_lora_request_with_a_stable_id(tmp_path: Path) -> None:
+    """A session on a custom voice reaches the runtime with TensorRT-LLM's per-request LoRARequest (name,
+    a lora_int_id stable per adapter, the PEFT folder); an unknown adapter, or LoRA off, fails that session only."""
+    from fake_tensorrt_llm import FakeLoRARequest
+
+    from orpheus_serve.tiny_models import write_lora_adapter
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, "num_hidden_layers": 1}))
+    for name in ("maya", "noah"):
+        write_lora_adapter(tmp_path / "voices" / name, base, seed=1, rank=4)
+    fake = FakeLLM(frames_per_request=1)
+    settings = TrtLlmEngineSettings(engine_dir="unused", num_slots=4, max_seq_len=4096, step_wait_s=STEP_WAIT_S,
+                                    adapters_dir=str(tmp_path / "voices"))
+    engine = TrtLlmEngine(fake, settings=settings, make_sampling_params=FakeSamplingParams,
+                          make_lora_request=FakeLoRARequest)
+    plain = TrtLlmEngine(FakeLLM(), settings=TrtLlmEngineSettings(engine_dir="unused", num_slots=2, max_seq_len=4096),
+                         make_sampling_params=FakeSamplingParams)
+    try:
+        chunks = [replace(chunk(0, prompt(1000)), adapter="maya"), replace(chunk(1, prompt(2000)), adapter="noah"),
+                  chunk(2, prompt(3000)), replace(chunk(3, prompt(4000)), adapter="ghost")]
+        first = engine.step(StepPlan(prefill=chunks))
+        assert "no adapter named 'ghost'" in first.failed[3]
+        submitted = {r.prompt_token_ids[2]: r for r in fake.wait_for_submissions(3)}
+        maya, noah = submitted[1000].lora_request, submitted[2000].lora_request
+        assert submitted[3000].lora_request is None
+        assert (maya.lora_name, maya.lora_path) == ("maya", str(tmp_path / "voices" / "maya"))
+        assert maya.lora_ckpt_source == "hf" and maya.lora_int_id != noah.lora_int_id
+        run_until(engine, fake, lambda c: len(c.finished) == 3)
+        engine.step(StepPlan(release=[0, 1, 2], prefill=[replace(chunk(0, prompt(5000)), adapter="maya")]))
+        again = next(r for r in fake.wait_for_submissions(4) if r.prompt_token_ids[2] == 5000)
+        assert again.lora_request.lora_int_id == maya.lora_int_id  # the runtime's cache key stays the adapter's
+
+        off = plain.step(StepPlan(prefill=[replace(chunk(0, prompt(1000)), adapter="maya")]))
+        assert "LoRA adapters are off" in off.failed[0]
+    finally:
+        engine.close()
+        plain.close()
+
+
+def test_lora_arguments_enable_every_target_module() -> None:
+    from orpheus_serve.engines.lora import TARGET_MODULES
+    from orpheus_serve.engines.trtllm_engine import TRT_LORA_MODULES, trtllm_lora_kwargs
+
+    class LoraConfig:
+        def __init__(self, **kwargs: Any) -> None:
+            self.kwargs = kwargs
+
+    kwargs = trtllm_lora_kwargs(LoraConfig, max_loras=8, max_lora_rank=64)
+    assert kwargs["enable_lora"] is True
+    config = kwargs["lora_config"].kwargs
+    assert sorted(TRT_LORA_MODULES[m] for m in config["lora_target_modules"]) == sorted(TARGET_MODULES)
+    assert (config["max_lora_rank"], config["max_loras"]) == (64, 8) and config["max_cpu_loras"] >= 8

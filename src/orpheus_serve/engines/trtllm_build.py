@@ -133,6 +133,8 @@ class BuildSettings:
     max_num_tokens: int
     tokenizer_path: Path
     calib_max_seq_length: int = 512
+    max_lora_rank: int = 0  # > 0: the LoRA plugin for per-request adapters (custom voices) up to this rank
+    max_loras: int = 8
 
     @property
     def workspace_dir(self) -> Path:
@@ -153,6 +155,9 @@ class BuildSettings:
             max_seq_len=config.engine.max_seq_len,
             max_num_tokens=config.engine.tensorrt.max_num_tokens,
             tokenizer_path=tokenizer,
+            # Custom voices need the LoRA plugin in the engine: built in when the config serves adapters.
+            max_lora_rank=config.voices.max_lora_rank if config.voices.adapters_dir else 0,
+            max_loras=config.voices.max_loras,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -457,6 +462,11 @@ def run_build(settings: BuildSettings, calibration_dir: Path | None, calibration
             calib_batch_size=1,
             calib_max_seq_length=settings.calib_max_seq_length,
         )
+    if settings.max_lora_rank > 0:
+        from .trtllm_engine import trtllm_lora_config_class, trtllm_lora_kwargs
+
+        extra.update(trtllm_lora_kwargs(trtllm_lora_config_class(), max_loras=settings.max_loras,
+                                        max_lora_rank=settings.max_lora_rank))
     settings.workspace_dir.mkdir(parents=True, exist_ok=True)
     llm = LLM(
         model=str(settings.model_dir),

@@ -326,6 +326,12 @@ class TrtLlmEngineSettings:
     # Live requests and not one response from any of them for this long: the executor is stuck or
     # its worker died without a word (a 3B decode iteration takes ~10 ms; a long prefill well under 1 s).
     executor_stall_s: float = 60.0
+    # Custom voices (ARCHITECTURE §6): PEFT adapters passed per request as TensorRT-LLM's LoRARequest (the
+    # runtime keeps its own LoRA cache: max_loras on the GPU, max_cpu_loras in host memory). The engine must
+    # have been built with the LoRA plugin (build_engine.py with voices.adapters_dir set).
+    adapters_dir: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
 
 @dataclass(eq=False)
@@ -368,12 +374,15 @@ class TrtLlmEngine:
         make_sampling_params: Callable[..., Any],
         dims: LlamaDims = ORPHEUS_3B,
         weights_bytes: int = 0,
+        make_lora_request: Callable[..., Any] | None = None,
     ) -> None:
         self.num_slots = settings.num_slots
         self.max_seq_len = settings.max_seq_len
         self._settings = settings
         self._llm = llm
         self._make_sampling_params = make_sampling_params
+        self._make_lora_request = make_lora_request  # tensorrt_llm.executor.LoRARequest (or the fake's)
+        self._lora_ids: dict[str, int] = {}  # adapter name -> the runtime's lora_int_id (its cache key), stable
         self._dims = dims
         self._weights_bytes = weights_bytes
         self._pass_priority = _accepts_keyword(llm.generate_async, "priority")
@@ -392,6 +401,7 @@ class TrtLlmEngine:
         *,
         llm: Any | None = None,
         make_sampling_params: Callable[..., Any] | None = None,
+        make_lora_request: Callable[..., Any] | None = None,
     ) -> TrtLlmEngine:
         """Load `engine.tensorrt.engine_dir` (built by build_engine.py), or wrap an injected LLM."""
         trt = config.engine.tensorrt
@@ -400,6 +410,9 @@ class TrtLlmEngine:
             num_slots=config.scheduler.max_concurrent_sessions,
             max_seq_len=config.engine.max_seq_len,
             kv_cache_free_gpu_memory_fraction=trt.kv_cache_free_gpu_memory_fraction,
+            adapters_dir=config.voices.adapters_dir,
+            max_loras=config.voices.max_loras,
+            max_lora_rank=config.voices.max_lora_rank,
         )
         if llm is None:
             check_tensorrt_available()
@@ -407,7 +420,7 @@ class TrtLlmEngine:
             problem = engine_mismatch(manifest, num_slots=settings.num_slots, max_seq_len=settings.max_seq_len)
             if problem is not None:
                 raise EngineError(f"{settings.engine_dir}: {problem}")
-            llm, make_sampling_params = _load_trtllm(settings)
+            llm, make_sampling_params, make_lora_request = _load_trtllm(settings)
         elif make_sampling_params is None:
             raise ValueError("an injected LLM needs its SamplingParams class as make_sampling_params")
         else:
@@ -415,7 +428,8 @@ class TrtLlmEngine:
             manifest = read_manifest(settings.engine_dir) if has_manifest else None
         dims = LlamaDims(**manifest["model"]) if manifest else ORPHEUS_3B
         weights = int(manifest["engine_bytes"]) if manifest else 0
-        return cls(llm, settings=settings, make_sampling_params=make_sampling_params, dims=dims, weights_bytes=weights)
+        return cls(llm, settings=settings, make_sampling_params=make_sampling_params, dims=dims, weights_bytes=weights,
+                   make_lora_request=make_lora_request)
 
     # ------------------------------------------------------------- TokenEngine
 
@@ -524,9 +538,27 @@ class TrtLlmEngine:
         except ValueError as exc:  # SamplingParams._validate rejects the values
             self._fail(live, f"invalid sampling parameters: {exc}")
             return
-        extra = {"priority": chunk.priority} if self._pass_priority else {}
+        extra: dict[str, Any] = {"priority": chunk.priority} if self._pass_priority else {}
+        if chunk.adapter is not None:
+            try:
+                extra["lora_request"] = self._lora_request(chunk.adapter)
+            except ValueError as exc:  # no such adapter, or LoRA off: this session fails, the others go on
+                self._fail(live, str(exc))
+                return
         future = asyncio.run_coroutine_threadsafe(self._stream(live, list(chunk.prompt_ids), params, extra), self._loop)
         future.add_done_callback(_log_unexpected_failure)
+
+    def _lora_request(self, name: str) -> Any:
+        """The runtime's per-request LoRA for adapter `name` (ValueError if it cannot have one)."""
+        if self._settings.adapters_dir is None or self._make_lora_request is None:
+            raise ValueError(f"adapter {name!r} requested but LoRA adapters are off (set voices.adapters_dir and "
+                             "build the engine with the LoRA plugin)")
+        folder = Path(self._settings.adapters_dir) / name
+        if not (folder / "adapter_config.json").is_file():
+            raise ValueError(f"no adapter named {name!r} in {self._settings.adapters_dir}")
+        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return self._make_lora_request(lora_name=name, lora_int_id=lora_id, lora_path=str(folder),
+                                       lora_ckpt_source="hf")
 
     def _collect(self) -> StepOutput:
         out = StepOutput()
@@ -629,14 +661,38 @@ def _log_unexpected_failure(future: concurrent.futures.Future[None]) -> None:
         log.error("TensorRT-LLM request pump failed", exc_info=exc)
 
 
-def _load_trtllm(settings: TrtLlmEngineSettings) -> tuple[Any, Callable[..., Any]]:
+def trtllm_lora_config_class() -> Any:
+    """TensorRT-LLM's LoraConfig: `tensorrt_llm.lora_helper` in 1.x, `tensorrt_llm.lora_manager` before."""
+    try:
+        from tensorrt_llm.lora_helper import LoraConfig
+    except ImportError:
+        from tensorrt_llm.lora_manager import LoraConfig
+    return LoraConfig
+
+
+# TensorRT-LLM's names for the Llama projections LoRA targets (its default trtllm_modules_to_hf_modules).
+TRT_LORA_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_dense": "o_proj",
+                    "mlp_h_to_4h": "gate_proj", "mlp_gate": "up_proj", "mlp_4h_to_h": "down_proj"}
+
+
+def trtllm_lora_kwargs(lora_config_class: Any, *, max_loras: int, max_lora_rank: int) -> dict[str, Any]:
+    """LLM(...) arguments that enable per-request LoRA on every target module (building and loading alike)."""
+    return {"enable_lora": True,
+            "lora_config": lora_config_class(lora_target_modules=list(TRT_LORA_MODULES), max_lora_rank=max_lora_rank,
+                                             max_loras=max_loras, max_cpu_loras=max(max_loras, 2 * max_loras))}
+
+
+def _load_trtllm(settings: TrtLlmEngineSettings) -> tuple[Any, Callable[..., Any], Callable[..., Any] | None]:
     """Open a built engine with the TensorRT backend of the LLM API (1.2.x names)."""
     # `tensorrt_llm._tensorrt_engine.LLM` is the TensorRT-backend class (`llmapi/llm.py: _TrtLLM`);
     # `tensorrt_llm.LLM` is the PyTorch backend in 1.x.
     from tensorrt_llm import SamplingParams as TrtSamplingParams
     from tensorrt_llm._tensorrt_engine import LLM
+    from tensorrt_llm.executor import LoRARequest
     from tensorrt_llm.llmapi import KvCacheConfig
 
+    lora = trtllm_lora_kwargs(trtllm_lora_config_class(), max_loras=settings.max_loras,
+                              max_lora_rank=settings.max_lora_rank) if settings.adapters_dir else {}
     kv_cache = KvCacheConfig(
         free_gpu_memory_fraction=settings.kv_cache_free_gpu_memory_fraction,
         # Slots are pre-allocated (DESIGN §5): cap the cache at what they can use and leave the
@@ -649,7 +705,8 @@ def _load_trtllm(settings: TrtLlmEngineSettings) -> tuple[Any, Callable[..., Any
             skip_tokenizer_init=True,  # ids in, ids out; end_id is given per request
             kv_cache_config=kv_cache,
             batched_logits_processor=FramePositionLogitsProcessor(),
+            **lora,
         )
     except Exception as exc:
         raise EngineError(f"TensorRT-LLM could not load the engine in {settings.engine_dir}: {exc}") from exc
-    return llm, TrtSamplingParams
+    return llm, TrtSamplingParams, LoRARequest if lora else None
