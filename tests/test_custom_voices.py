@@ -165,3 +165,39 @@ def test_hot_load_and_unload_leave_running_streams_byte_identical(tiny_orpheus: 
         assert all(a["sessions"] == 0 for a in states.values())
     finally:
         server.stop()
+
+
+def test_custom_voices_on_riva_grpc_and_cartesia(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path) -> None:
+    """Riva's config lists a model per custom voice and `English-US.<name>` speaks with it; gRPC ListVoices
+    lists them; Cartesia's voice id takes them."""
+    import grpc
+    from riva.client.proto import riva_tts_pb2 as rtts
+    from riva.client.proto import riva_tts_pb2_grpc as rtts_grpc
+
+    from orpheus_serve.api.cartesia import Voice as CartesiaVoice
+    from orpheus_serve.api.cartesia import resolve_cartesia_voice
+    from orpheus_serve.proto import orpheus_pb2 as pb
+    from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+
+    catalog = VoiceCatalog(voices_dir)
+    assert resolve_cartesia_voice(CartesiaVoice(mode="id", id="Voice2"), catalog.resolve) == "voice2"
+
+    server = voice_server(tiny_orpheus, tiny_snac, voices_dir, engine_process=False)
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    try:
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            riva = rtts_grpc.RivaSpeechSynthesisStub(channel)
+            configs = riva.GetRivaSynthesisConfig(rtts.RivaSynthesisConfigRequest(), metadata=metadata).model_config
+            custom = {c.model_name: dict(c.parameters) for c in configs if c.parameters.get("custom_voice")}
+            assert set(custom) == {"orpheus-too-big", "orpheus-voice0", "orpheus-voice1", "orpheus-voice2"}
+            assert custom["orpheus-voice1"]["subvoices"].startswith("voice1:")
+            response = riva.Synthesize(rtts.SynthesizeSpeechRequest(
+                text=TEXT, voice_name="English-US.voice1", sample_rate_hz=24000, language_code="en-US",
+                custom_configuration={"temperature": "0", "seed": "7"}), metadata=metadata, timeout=120)
+            assert len(response.audio) > 0
+            listed = pb_grpc.SynthesizerStub(channel).ListVoices(pb.ListVoicesRequest(), metadata=metadata)
+            assert {"voice0", "voice1", "voice2", "tara"} <= {v.id for v in listed.voices}
+        states = {a["name"]: a["state"] for a in admin(server.base_url, "GET", headers=AUTH).json()["adapters"]}
+        assert states["voice1"] == "resident"  # the Riva request ran on its adapter
+    finally:
+        server.stop()

@@ -238,7 +238,7 @@ def test_pool_mode_equals_gather_mode_and_peft_logits(tiny_orpheus: Path, adapte
         pooled = model.logits(model.forward(tokens, slots, positions, 12, LoraBatch.for_rows(pool, entries,
                                                                                             gather=False)))
         assert LoraBatch.for_rows(pool, [0, 0, 0, 0], gather=True) is None  # no adapter: no LoRA work
-    torch.testing.assert_close(pooled, gathered, rtol=0, atol=1e-5)
+    torch.testing.assert_close(pooled, gathered, rtol=0, atol=1e-4)  # summation order differs: rounding only
     for row, entry in enumerate(entries):
         base = LlamaForCausalLM.from_pretrained(tiny_orpheus, dtype=torch.float32).eval()
         ref_model = base if entry == 0 else PeftModel.from_pretrained(base, adapters_dir / names[entry - 1]).eval()

@@ -48,6 +48,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -139,13 +140,14 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{where}: {error['msg']}" if where else error["msg"], where
 
 
-def resolve_cartesia_voice(voice: Voice) -> str:
-    """The Orpheus voice for a Cartesia voice specifier (see the module docstring)."""
+def resolve_cartesia_voice(voice: Voice, resolve: Callable[[str | None], str] = resolve_voice) -> str:
+    """The Orpheus voice for a Cartesia voice specifier (see the module docstring); `resolve`: the server's
+    voice catalog (voice_catalog.py: built-in and custom voices)."""
     if voice.mode == "embedding":
         log.info("voice embeddings are not supported; speaking with the default voice %r", DEFAULT_VOICE)
         return DEFAULT_VOICE
     try:
-        return resolve_voice(voice.id)
+        return resolve(voice.id)
     except UnknownVoiceError:
         if voice.id is not None and _UUID.match(voice.id.strip()):
             log.info("Cartesia voice id %s is not a voice of this server; speaking with the default voice %r",
@@ -172,10 +174,11 @@ class ContextSpec:
     flush_each: bool = False
 
     @classmethod
-    def from_message(cls, message: GenerationRequest, text: TextStream) -> ContextSpec:
+    def from_message(cls, message: GenerationRequest, text: TextStream,
+                     resolve: Callable[[str | None], str] = resolve_voice) -> ContextSpec:
         fmt = ENCODINGS[message.output_format.encoding]
         try:
-            voice = resolve_cartesia_voice(message.voice)
+            voice = resolve_cartesia_voice(message.voice, resolve)
         except UnknownVoiceError as exc:
             raise InvalidRequestError(str(exc), param="voice.id") from None
         speed = message.generation_config.speed if message.generation_config else None
@@ -390,7 +393,7 @@ class CartesiaConnection:
                 return
             text = TextStream(self._stream_settings(request))
             try:
-                spec = ContextSpec.from_message(request, text)
+                spec = ContextSpec.from_message(request, text, self.gateway.service.voices.resolve)
             except InvalidRequestError as error:
                 self.gateway.refused("cartesia", error)
                 await self._error(error, context_id)

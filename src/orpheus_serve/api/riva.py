@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -93,13 +93,14 @@ def riva_voice_names(voice: str) -> list[str]:
         [f"{RIVA_VOICE_PREFIX}.{voice.capitalize()}"]
 
 
-def resolve_voice(name: str) -> str | None:
+def resolve_voice(name: str, custom: Sequence[str] = ()) -> str | None:
     """A Riva `voice_name` -> the voice handed to the service (None: its default).
 
     `English-US.<subvoice>` (or `English-US-<subvoice>`, Riva's older spelling) maps through
     RIVA_SUBVOICES or the voice's own name; `English-US` alone is the first voice, as Riva picks a
-    model's first subvoice. Anything else goes to the service as it is: an Orpheus voice or an OpenAI
-    alias, which the service checks."""
+    model's first subvoice; `custom` voices (voices.adapters_dir) answer to `English-US.<name>` too.
+    Anything else goes to the service as it is: an Orpheus voice, an OpenAI alias or a custom voice, which
+    the service checks."""
     name = name.strip()
     if not name:
         return None
@@ -108,7 +109,8 @@ def resolve_voice(name: str) -> str | None:
     rest = name[len(RIVA_VOICE_PREFIX):]
     if not rest:
         return VOICES[0]
-    voice = _BY_SUBVOICE.get(rest[1:].lower()) if rest[0] in ".-" else None
+    by_name = {**_BY_SUBVOICE, **{c.lower(): c for c in custom}}
+    voice = by_name.get(rest[1:].lower()) if rest[0] in ".-" else None
     if voice is None:
         known = ", ".join(n for v in VOICES for n in riva_voice_names(v))
         raise InvalidRequestError(f"voice_name {name!r} is not served here; the voices are: {known} "
@@ -167,13 +169,14 @@ def _check_message(request: rtts.SynthesizeSpeechRequest | UndecodableRequest) -
 
 def request_from_riva(request: rtts.SynthesizeSpeechRequest | UndecodableRequest, *,
                       text: str | None = None, text_input: TextStream | None = None,
-                      timestamps: bool = False) -> tuple[SynthesisRequest, OutputOptions]:
+                      timestamps: bool = False, custom_voices: Sequence[str] = ()
+                      ) -> tuple[SynthesisRequest, OutputOptions]:
     """Riva message -> service types. Shape errors here; content errors (text, voice, sampling bounds) in
     TTSService.validate. `text_input`: the context the message's text goes into instead of `text`."""
     request = _check_message(request)
     fields: dict[str, Any] = {key: _custom_value(request, key) for key in request.custom_configuration
                               if key != "speed"}
-    voice = resolve_voice(request.voice_name)
+    voice = resolve_voice(request.voice_name, custom_voices)
     if voice is not None:
         fields["voice"] = voice
     synthesis = SynthesisRequest(text=request.text if text is None else text, text_input=text_input,
@@ -203,8 +206,8 @@ def _word_timings(timings: ChunkTimings, speed: float) -> list[rtts.WordTiming]:
             for w in timings.words]
 
 
-def model_configs() -> list[rtts.RivaSynthesisConfigResponse.Config]:
-    """One model config per voice (see the module docstring)."""
+def model_configs(custom: Sequence[str] = ()) -> list[rtts.RivaSynthesisConfigResponse.Config]:
+    """One model config per voice (see the module docstring), then one per custom voice."""
     configs = []
     for index, voice in enumerate(VOICES):
         subvoices = ",".join(f"{name.split('.', 1)[1]}:{index}" for name in riva_voice_names(voice))
@@ -216,6 +219,16 @@ def model_configs() -> list[rtts.RivaSynthesisConfigResponse.Config]:
             "sample_rate": str(SAMPLE_RATE),
             "encodings": ",".join(riva_audio.AudioEncoding.Name(e) for e in ENCODINGS if e),
         }))
+    for index, name in enumerate(custom, start=len(VOICES)):
+        configs.append(rtts.RivaSynthesisConfigResponse.Config(model_name=f"orpheus-{name}", parameters={
+            "language_code": LANGUAGE_CODE,
+            "voice_name": RIVA_VOICE_PREFIX,
+            "subvoices": f"{name}:{index}",
+            "orpheus_voice": name,
+            "custom_voice": "true",
+            "sample_rate": str(SAMPLE_RATE),
+            "encodings": ",".join(riva_audio.AudioEncoding.Name(e) for e in ENCODINGS if e),
+        }))
     return configs
 
 
@@ -224,6 +237,10 @@ class RivaSpeechSynthesisService:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+
+    def _custom_voices(self) -> list[str]:
+        """The custom voices (LoRA adapters) of the server's voice catalog, in listing order."""
+        return [v.name for v in self.gateway.service.voices.custom_voices()]
 
     def register(self, grpc_gateway: GrpcGateway) -> None:
         handlers = {
@@ -254,7 +271,8 @@ class RivaSpeechSynthesisService:
     async def Synthesize(self, request: rtts.SynthesizeSpeechRequest | UndecodableRequest,
                          context: grpc.aio.ServicerContext) -> rtts.SynthesizeSpeechResponse:
         # Timestamps on: the chunks' texts make meta.processed_text (and their words meta.words, if asked).
-        stream = await self._admit(lambda: request_from_riva(request, timestamps=True), context)
+        stream = await self._admit(lambda: request_from_riva(request, timestamps=True,
+                                                                  custom_voices=self._custom_voices()), context)
         assert stream is not None and isinstance(request, rtts.SynthesizeSpeechRequest)
         audio: list[bytes] = []
         chunks: list[ChunkTimings] = []
@@ -293,7 +311,7 @@ class RivaSpeechSynthesisService:
         failure: asyncio.Future[SynthesisError] = asyncio.get_running_loop().create_future()
 
         def build() -> tuple[SynthesisRequest, OutputOptions]:
-            built = request_from_riva(first, text="", text_input=text)
+            built = request_from_riva(first, text="", text_input=text, custom_voices=self._custom_voices())
             text.push(_piece(first.text))
             return built
 
@@ -375,11 +393,11 @@ class RivaSpeechSynthesisService:
         try:
             check_decoded(request)
             assert isinstance(request, rtts.RivaSynthesisConfigRequest)
-            configs = model_configs()
+            configs = configs_all = model_configs(self._custom_voices())
             if request.model_name:
                 configs = [c for c in configs if c.model_name == request.model_name]
                 if not configs:
-                    names = ", ".join(c.model_name for c in model_configs())
+                    names = ", ".join(c.model_name for c in configs_all)
                     raise InvalidRequestError(f"model {request.model_name!r} is not served; the models are: {names}",
                                               param="model_name")
         except SynthesisError as exc:

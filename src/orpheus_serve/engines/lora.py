@@ -234,6 +234,9 @@ class LoraPool:
                              for _ in range(config.n_layers)]
             self.b[fused] = [torch.zeros(max_loras + 1, width, col, dtype=dtype, device=self.device)
                              for _ in range(config.n_layers)]
+        # Per entry (host): the adapter's rank and target projections, for gather mode's exact-size products.
+        self.ranks = [0] * (max_loras + 1)
+        self.targets: list[frozenset[str]] = [frozenset()] * (max_loras + 1)
 
     def write(self, entry: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into entry 1..max_loras (zeroing whatever was there)."""
@@ -254,6 +257,8 @@ class LoraPool:
                     b[rows, lo:hi] = lb.t() * adapter.scale
                 self.a[fused][layer][entry].copy_(a.to(self.dtype), non_blocking=True)
                 self.b[fused][layer][entry].copy_(b.to(self.dtype), non_blocking=True)
+        self.ranks[entry] = adapter.rank
+        self.targets[entry] = frozenset(adapter.target_modules)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for side in (self.a, self.b) for ts in side.values() for t in ts)
@@ -261,39 +266,61 @@ class LoraPool:
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """Which pool entry each row of one forward pass uses.
+    """Which pool entry each row of one forward pass uses, in one of two modes.
 
-    `rows` None (pool mode): every row is computed, `entries` [B] with 0 for rows without an
-    adapter; fixed shapes, so it can be captured in a CUDA graph. `rows` [n] (gather mode): only
-    those rows, `entries` [n] their entries (all >= 1)."""
+    Pool mode (`entries` [B], 0 for rows without an adapter): every row, fixed shapes (a gather of
+    each row's A and B, two batched matmuls), so it can be captured in a CUDA graph once and serve
+    any mix of adapters. Gather mode (`segments`): the rows are grouped by adapter and each group
+    multiplies by its adapter's A and B where they lie in the pool, at the adapter's own rank and
+    only on the projections it targets: no weights are copied and padding costs nothing, which is
+    what a CPU needs."""
 
     pool: LoraPool
-    entries: Tensor
-    rows: Tensor | None = None
+    entries: Tensor | None = None
+    # (pool entry, the rows that use it [n] or None for every row)
+    segments: tuple[tuple[int, Tensor | None], ...] = ()
 
     @classmethod
     def for_rows(cls, pool: LoraPool, entries: Sequence[int], *, gather: bool) -> LoraBatch | None:
         """None when no row has an adapter (the step then does no LoRA work at all)."""
         if not any(entries):
             return None
-        device = pool.device
         if not gather:
-            return cls(pool, torch.tensor(list(entries), dtype=torch.int64, device=device))
-        rows = [i for i, e in enumerate(entries) if e]
-        index = torch.tensor([rows, [entries[i] for i in rows]], dtype=torch.int64).to(device)
-        return cls(pool, index[1], None if len(rows) == len(entries) else index[0])
+            return cls(pool, entries=torch.tensor(list(entries), dtype=torch.int64, device=pool.device))
+        groups: dict[int, list[int]] = {}
+        for row, entry in enumerate(entries):
+            if entry:
+                groups.setdefault(entry, []).append(row)
+        segments = tuple((entry, None if len(rows) == len(entries) else
+                          torch.tensor(rows, dtype=torch.int64, device=pool.device))
+                         for entry, rows in groups.items())
+        return cls(pool, segments=segments)
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
 
     def apply(self, fused: str, layer: int, x: Tensor, y: Tensor) -> Tensor:
         """x [B, T, in] (the linear's input), y [B, T, out] (its output) -> y + the rows' LoRA terms."""
-        a = self.pool.a[fused][layer].index_select(0, self.entries)  # [n, in, S*R]
-        b = self.pool.b[fused][layer].index_select(0, self.entries)  # [n, S*R, out]
-        if self.rows is None:
+        pool = self.pool
+        a_all, b_all = pool.a[fused][layer], pool.b[fused][layer]
+        if self.entries is not None:
+            a = a_all.index_select(0, self.entries)  # [B, in, S*R]
+            b = b_all.index_select(0, self.entries)  # [B, S*R, out]
             return y + torch.bmm(torch.bmm(x, a), b)
-        delta = torch.bmm(torch.bmm(x.index_select(0, self.rows), a), b)
-        return y.index_add(0, self.rows, delta)
+        R = pool.max_rank
+        for entry, rows in self.segments:
+            rank, targets = pool.ranks[entry], pool.targets[entry]
+            xs = x if rows is None else x.index_select(0, rows)
+            for s, proj in enumerate(FUSED_PROJECTIONS[fused]):
+                if proj not in targets:
+                    continue
+                lo, hi = pool.out_offsets[fused][proj]
+                delta = (xs @ a_all[entry, :, s * R : s * R + rank]) @ b_all[entry, s * R : s * R + rank, lo:hi]
+                if rows is None:
+                    y[..., lo:hi] += delta
+                else:
+                    y[..., lo:hi].index_add_(0, rows, delta)
+        return y
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,7 +128,7 @@ class DecodeGraphs:
             for batch in reversed(self.batch_sizes):
                 for kv_len in reversed(self.kv_lens):
                     for with_lora in variants:
-                        lora = LoraBatch(lora_pool, self.lora_entries[:batch]) if with_lora and lora_pool else None
+                        lora = LoraBatch(lora_pool, entries=self.lora_entries[:batch]) if with_lora and lora_pool else None
                         args = (self.tokens[:batch], self.slots[:batch], self.positions[:batch], kv_len, lora)
                         for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
                             model.decode(*args)
