@@ -308,14 +308,21 @@ class LoraBatch:
             b = b_all.index_select(0, self.entries)  # [B, S*R, out]
             return y + torch.bmm(torch.bmm(x, a), b)
         R = pool.max_rank
+        projections = FUSED_PROJECTIONS[fused]
         for entry, rows in self.segments:
             rank, targets = pool.ranks[entry], pool.targets[entry]
+            if targets.isdisjoint(projections):
+                continue
             xs = x if rows is None else x.index_select(0, rows)
-            for s, proj in enumerate(FUSED_PROJECTIONS[fused]):
+            # One product with A for all of this linear's projections when the adapter fills the pool's rank
+            # (no padding to multiply), one per projection otherwise; then each projection's own B block.
+            xa = xs @ a_all[entry] if rank == R else None
+            for s, proj in enumerate(projections):
                 if proj not in targets:
                     continue
                 lo, hi = pool.out_offsets[fused][proj]
-                delta = (xs @ a_all[entry, :, s * R : s * R + rank]) @ b_all[entry, s * R : s * R + rank, lo:hi]
+                xa_s = xa[..., s * R : (s + 1) * R] if xa is not None else xs @ a_all[entry, :, s * R : s * R + rank]
+                delta = xa_s @ b_all[entry, s * R : s * R + rank, lo:hi]
                 if rows is None:
                     y[..., lo:hi] += delta
                 else:
