@@ -81,6 +81,10 @@ def service_decided_acceptance(ctx: Any, response: Any, case: Any) -> bool | Non
     bodies the service refuses for what a schema cannot say (`unspeakable`): those must get a 400 naming one of
     the parameters at fault."""
     service = _services.get(urlsplit(response.request.url).port)
+    # Whether an adapter of that name exists (and loads) is the engine's to say: this server has none.
+    if ("/v1/admin/adapters/" in response.request.url and response.status_code == 400
+            and json.loads(response.content)["error"].get("param") == "name"):
+        return None
     meta = case.meta
     if service is None or meta is None or not meta.generation.mode.is_positive or response.status_code == 401:
         return positive_data_acceptance(ctx, response, case)
@@ -118,7 +122,7 @@ def test_http_api_conforms_to_its_openapi_document(server: ServerThread, tmp_pat
         del _services[server.http_port]
     assert result.exit_code == 0, result.output[-20_000:]
     # Every operation was exercised, with and without a body fitting the document.
-    assert "7 selected / 7 total" in result.output and "Tested: 7" in result.output, result.output
+    assert "10 selected / 10 total" in result.output and "Tested: 10" in result.output, result.output
     assert "Coverage" in result.output and "Fuzzing" in result.output, result.output
 
 

@@ -12,9 +12,9 @@ A request for a custom voice loads its adapter anyway: these calls warm the pool
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Path
 from pydantic import BaseModel, Field
 
 from ..engines.lora import AdapterError
@@ -35,12 +35,18 @@ class AdapterStatusBody(BaseModel):
     error: str | None = Field(None, description="Why the last load refused it.")
 
 
+# An adapter's folder name (engines/lora.valid_adapter_name).
+AdapterName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+                                  description="The adapter's folder name in voices.adapters_dir.")]
+
+
 class AdapterList(BaseModel):
     adapters: list[AdapterStatusBody]
 
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"description": "The adapter was refused (the reason in the error message), or custom voices are off."},
+    400: {"description": "The adapter was refused (the reason in the error message), there is no such adapter, "
+                         "or this engine has no adapter pool (custom voices off, or the TensorRT-LLM backend)."},
     401: {"description": "Missing or wrong API key."},
     403: {"description": "The server has no `server.api_keys`: the admin endpoints are off."},
     503: {"description": "The engine core is not answering."},
@@ -62,10 +68,10 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/v1/admin/adapters/{name}/load", response_model=AdapterStatusBody, responses=_RESPONSES,
               tags=["admin"])
-    async def load_adapter(name: str) -> dict[str, Any]:
+    async def load_adapter(name: AdapterName) -> dict[str, Any]:
         return (await call("load", name))[0]
 
     @app.post("/v1/admin/adapters/{name}/unload", response_model=AdapterStatusBody, responses=_RESPONSES,
               tags=["admin"])
-    async def unload_adapter(name: str) -> dict[str, Any]:
+    async def unload_adapter(name: AdapterName) -> dict[str, Any]:
         return (await call("unload", name))[0]

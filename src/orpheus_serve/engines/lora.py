@@ -523,6 +523,8 @@ def adapter_call(manager: LoraManager | None, op: str, name: str | None = None) 
     """The admin operations on custom-voice adapters, as both process modes run them: "list" (every
     adapter), "load" or "unload" one (its status). AdapterError with the reason otherwise."""
     if manager is None:
+        if op == "list":
+            return []
         raise AdapterError("this engine has no adapter pool to manage: custom voices are off (voices.adapters_dir "
                            "is unset), or the TensorRT-LLM backend serves them from its own LoRA cache")
     if op == "list":
