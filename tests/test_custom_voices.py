@@ -14,6 +14,7 @@ import pytest
 
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.service import TTSService
+from orpheus_serve.synthesis import SynthesisRequest
 from orpheus_serve.tiny_models import write_lora_adapter, write_lora_adapters
 from orpheus_serve.voice_catalog import VoiceCatalog
 from tests.gateway_support import check_openai_error, start_server, tiny_config
@@ -85,6 +86,12 @@ def test_custom_voices_served_listed_and_managed(tiny_orpheus: Path, tiny_snac: 
         assert set(custom) == {"too-big", "voice0", "voice1", "voice2"}
         assert custom["voice0"]["description"].startswith("tiny random LoRA voice")
         assert all("custom" not in v for v in listed if v["id"] == "tara")
+
+        if not engine_process:  # voice.json's sampling fills what a request leaves out
+            service = server.server.service
+            assert service.validate(SynthesisRequest(text="Hi there.", voice="voice1")).top_p == 0.9
+            assert service.validate(SynthesisRequest(text="Hi there.", voice="voice1", top_p=0.5)).top_p == 0.5
+            assert service.validate(SynthesisRequest(text="Hi there.", voice="tara")).top_p is None
 
         # Unknown voice: 400 naming the voices there are, custom ones included.
         error = check_openai_error(speak(base, "nobody"), 400)

@@ -43,7 +43,7 @@ LONG = "This stream keeps talking for a good while, long enough to be cut off in
 def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
     request = SessionRequest(request_id="r-0", prompt_ids=(128259, 128000, 42, 128257),
                              sampling=SamplingParams(temperature=0.0, top_k=5, max_tokens=700, seed=SEED_MAX),
-                             arrival_s=12.5, playback_start_s=11.0, audio_before_s=1.25)
+                             arrival_s=12.5, playback_start_s=11.0, audio_before_s=1.25, adapter="maya")
     assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))) == request
     pcm = bytes(range(256)) * 8
     done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
