@@ -192,6 +192,8 @@ class EngineCoreProc:
             self._reply(identity, [seq, wire.OK, wire.encode_stats(stats), list(self._figures.items())])
             return False
         if kind == wire.CALL_ADAPTERS:
+            # A load reads and checks the adapter's files here, on the input thread, not the engine's: other
+            # calls wait for it (milliseconds for small adapters), running steps do not.
             try:
                 self._reply(identity, [seq, wire.OK, self._runtime.adapters(message[2], message[3])])
             except AdapterError as exc:
