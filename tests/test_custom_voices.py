@@ -109,6 +109,10 @@ def test_custom_voices_served_listed_and_managed(tiny_orpheus: Path, tiny_snac: 
         states = {a["name"]: a for a in admin(base, "GET", headers=AUTH).json()["adapters"]}
         assert states["voice0"]["state"] == "resident" and states["voice0"]["rank"] == 8
 
+        # A request for a custom voice whose adapter cannot be served: 400 with the reason, before it starts.
+        bad = check_openai_error(speak(base, "too-big"), 400)
+        assert bad["param"] == "voice" and "rank 16 is over" in bad["message"]
+
         # A bad adapter is refused at load with the reason; the server goes on serving.
         refused = check_openai_error(admin(base, "POST", "/too-big/load", headers=AUTH), 400)
         assert "rank 16 is over" in refused["message"]

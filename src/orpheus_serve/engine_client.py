@@ -52,10 +52,11 @@ from .codec.worker import CodecWorker
 from .config import Config
 from .engine_core import EngineCore
 from .engines.base import MemoryReport, TokenEngine
-from .engines.lora import adapter_call
+from .engines.lora import AdapterError, adapter_call
 from .scheduler import (
     FlowStats,
     FramesReady,
+    InvalidSessionError,
     Scheduler,
     SchedulerEvent,
     SchedulerStats,
@@ -188,7 +189,20 @@ class CoreRuntime:
         self.engine.close()
 
     def submit(self, request: SessionRequest) -> None:
+        if request.adapter is not None:
+            self.prefetch_adapter(request.adapter)
         self._core.submit(request)
+
+    def prefetch_adapter(self, name: str) -> None:
+        """A custom voice's adapter read and checked before its session is admitted (engines/lora.py), on the
+        submitting thread; a bad one refuses the session with the reason (InvalidSessionError, param voice)."""
+        manager = getattr(self.engine, "lora", None)
+        if manager is None:  # TensorRT-LLM loads adapters itself; the sim engine has none
+            return
+        try:
+            manager.prefetch(name)
+        except AdapterError as exc:
+            raise InvalidSessionError(str(exc), param="voice") from None
 
     def note_delivered(self, session_id: str, samples: int) -> None:
         self.scheduler.note_delivered(session_id, samples)
@@ -285,6 +299,8 @@ class InprocClient:
         if fresh:
             self._mailboxes[request.request_id] = asyncio.Queue()
         try:
+            if request.adapter is not None:  # the adapter's files are read off the event loop
+                await asyncio.to_thread(self._runtime.prefetch_adapter, request.adapter)
             self._runtime.submit(request)
         except BaseException:
             if fresh:

@@ -414,6 +414,19 @@ class LoraManager:
                 self._info[name] = adapter
             return self._status(name)
 
+    def prefetch(self, name: str) -> None:
+        """Read and check `name` for a session about to be submitted, unless it is in the pool or staged
+        already: off the engine thread, so that the step that starts the session only copies it into the
+        pool. AdapterError with the reason."""
+        with self._lock:
+            if name in self._resident or name in self._staged:
+                return
+        adapter = self.read(name)
+        with self._lock:
+            if name not in self._resident:
+                self._staged[name] = adapter
+                self._info[name] = adapter
+
     def unload(self, name: str) -> AdapterStatus:
         """Drop from the pool; while sessions use it, once the last of them is released."""
         with self._lock:
