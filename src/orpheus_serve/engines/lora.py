@@ -15,15 +15,21 @@ with A_s, B_s gathered from a fixed device pool (ARCHITECTURE §6):
   columns (a block-diagonal B), smaller ranks are zero-padded and `scale` is folded into B, so
   one gather + two batched matmuls serve any mix of adapters and ranks, and the zero blocks add
   exact zeros.
-- `LoraBatch`: which pool entry each row of a forward pass uses. Gather mode (CPU): only the rows
-  that have an adapter are computed. Pool mode (CUDA graphs): every row, with fixed shapes (rows
-  without one read entry 0), so a captured graph serves any adapter mix. A step in which no row
+- `LoraBatch`: which pool entry each row of a forward pass uses. Pool mode (CUDA graphs): every
+  row, with fixed shapes (rows without an adapter read entry 0), so a captured graph serves any
+  adapter mix. Gather mode (CPU, and eager prefill): rows grouped by adapter, each group multiplied
+  by its adapter's blocks in place, at its own rank and on its own targets. A step in which no row
   has an adapter passes no LoraBatch at all: no extra work.
-- `LoraManager`: adapters on disk (`voices.adapters_dir`), validated at load, kept in the pool
-  LRU. Its state is guarded by a lock, so any thread can list, load or unload, but the pool's
-  device memory is written only by the engine thread at the start of a step, before its first
-  forward pass: an adapter never changes under a running step. An adapter in use by a session is
-  pinned (never evicted); unloading it is deferred until its last session is released.
+- `LoraManager`: adapters on disk (`voices.adapters_dir`), validated when read, kept in the pool
+  LRU. Its state is guarded by a lock, so any thread can list, read (`load`, `prefetch`) or
+  unload, but the pool's device memory is written only by the engine thread at the start of a
+  step, before its first forward pass: an adapter never changes under a running step. An adapter
+  in use by a session is pinned (never evicted); unloading it is deferred until its last session
+  is released.
+
+Exactness: y = xW + (xA)B is the merged model's x(W + BA) up to float rounding (the products are
+associated differently), so logits agree to rounding and greedy tokens are the merged model's
+(tests/test_lora.py, against PEFT's merge_and_unload).
 """
 
 from __future__ import annotations
