@@ -397,7 +397,9 @@ class TorchEngine:
         slot_index = torch.tensor([slot], device=self.device)
         self._sampling.mark_seen(slot_index, tokens)
         lora = self._lora_batch([session.lora_entry], gather=True)
-        hidden = self.model.prefill(tokens, slot, chunk.start, lora)  # [T, dim]
+        # Without adapters the call is the plain one, as before (wrappers of prefill/decode see no new argument).
+        args = (tokens, slot, chunk.start) if lora is None else (tokens, slot, chunk.start, lora)
+        hidden = self.model.prefill(*args)  # [T, dim]
         session.cached = chunk.end
         if not chunk.is_last:
             return
@@ -450,7 +452,8 @@ class TorchEngine:
         if self._graphs is not None:
             hidden = self._graphs.run(tokens, slots, positions, kv_len, None if lora is None else lora.entries)
         else:
-            hidden = self.model.decode(tokens, slots, positions, kv_len, lora)  # [B, dim]
+            args = (tokens, slots, positions, kv_len) if lora is None else (tokens, slots, positions, kv_len, lora)
+            hidden = self.model.decode(*args)  # [B, dim]
 
         params = [s.sampling for s in sessions]  # type: ignore[union-attr]
         host_steps = host[2].tolist()
