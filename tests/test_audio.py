@@ -1,4 +1,4 @@
-"""audio.py: every format streams chunk by chunk and decodes back (PyAV) to about the right duration."""
+"""audio/encoding.py: every format streams chunk by chunk and decodes back (PyAV) to about the right duration."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from orpheus_serve.audio import (
+from orpheus_serve.audio.encoding import (
     AUDIO_FORMATS,
     CONTENT_TYPES,
     WAV_UNKNOWN_SIZE,
@@ -18,7 +18,7 @@ from orpheus_serve.audio import (
     decode_audio,
     wav_header,
 )
-from orpheus_serve.protocol import SAMPLE_RATE, SAMPLES_PER_FRAME
+from orpheus_serve.token_format import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 
 def _tone(seconds: float, rate: int = SAMPLE_RATE, hz: float = 440.0) -> np.ndarray:
@@ -147,7 +147,7 @@ def test_without_pyav_pcm_and_wav_still_stream_and_the_rest_is_refused_clearly()
     script = textwrap.dedent("""
         import sys
         sys.modules["av"] = None  # import av -> ImportError, as when it is not installed
-        from orpheus_serve import audio
+        from orpheus_serve.audio import encoding as audio
         assert audio.av is None
         pcm = (b"\\x01\\x00" * 2048)
         wav = audio.AudioStreamEncoder("wav")

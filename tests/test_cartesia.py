@@ -21,11 +21,11 @@ from websockets.asyncio.client import connect
 
 from orpheus_serve.api.cartesia import MAX_CONTEXTS_PER_CONNECTION
 from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio
+from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import PROTOCOLS
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.request.types import PROTOCOLS
+from orpheus_serve.service.service import TTSService
+from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,

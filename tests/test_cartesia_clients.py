@@ -39,8 +39,8 @@ from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 
 from orpheus_serve.api.server import ServerThread
-from orpheus_serve.service import TTSService
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.service.service import TTSService
+from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,

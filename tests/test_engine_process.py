@@ -22,18 +22,18 @@ import pytest
 import zmq
 from websockets.asyncio.client import connect as ws_connect
 
-from orpheus_serve import engine_wire as wire
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.config import ConfigError, load_config
-from orpheus_serve.engine_client import SessionDone
-from orpheus_serve.engine_proc import CALL_SHUTDOWN, CoreAddresses, EngineCoreProc
+from orpheus_serve.core import wire
+from orpheus_serve.core.client import SessionDone
+from orpheus_serve.core.process import CALL_SHUTDOWN, CoreAddresses, EngineCoreProc
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import SessionRequest
-from orpheus_serve.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.scheduler.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
 
 SPLIT = {"server.engine_process": True}
@@ -410,8 +410,8 @@ async def _grpc_whole(address: str, first_audio: asyncio.Event) -> tuple[int, st
 def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
     """An engine that fails to build in the core process fails the server's start with the core's own
     traceback, at once, instead of a hang."""
-    from orpheus_serve.mp_client import CoreStartError
-    from orpheus_serve.service import TTSService
+    from orpheus_serve.core.mp_client import CoreStartError
+    from orpheus_serve.service.service import TTSService
 
     config = sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.step_base_ms": 9.0, "engine.backend": "torch",
                                                   "engine.device": "cuda:7"})

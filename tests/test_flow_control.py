@@ -17,9 +17,9 @@ from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.codec.base import CodecPush, CodecResult
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.service import TTSService
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.gateway_support import settled_stats, sim_config, start_server, wait_for
 
 FRAME_BYTES = SAMPLES_PER_FRAME * 2

@@ -23,8 +23,7 @@ from orpheus_serve.api.gateway import ConnectionLimiter, OutputOptions, SpeechSt
 from orpheus_serve.api.grpc_server import metrics_to_proto, request_from_proto
 from orpheus_serve.api.schemas import SpeechRequestBody, StreamRequestMessage, first_validation_error
 from orpheus_serve.proto import orpheus_pb2 as pb
-from orpheus_serve.protocol import OPENAI_VOICE_ALIASES, VOICES
-from orpheus_serve.synthesis import (
+from orpheus_serve.request.types import (
     AudioChunk,
     EngineFailureError,
     InvalidRequestError,
@@ -34,6 +33,7 @@ from orpheus_serve.synthesis import (
     SynthesisRequest,
     SynthesisTimeoutError,
 )
+from orpheus_serve.token_format import OPENAI_VOICE_ALIASES, VOICES
 
 
 @pytest.mark.parametrize("exc,status,grpc_code", [

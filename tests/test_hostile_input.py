@@ -26,8 +26,8 @@ from websockets.frames import Frame, Opcode
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
-from orpheus_serve.protocol import SAMPLES_PER_FRAME, VOCAB_SIZE
-from orpheus_serve.service import TTSService
+from orpheus_serve.service.service import TTSService
+from orpheus_serve.token_format import SAMPLES_PER_FRAME, VOCAB_SIZE
 from tests.gateway_support import tiny_config
 
 MAX_SEQ_LEN = 320

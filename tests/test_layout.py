@@ -1,7 +1,7 @@
 """Import direction over src/ (DESIGN §2), read from the source with `ast`, lazy imports included.
 
 - `scheduler/` imports no module of `engines/`, `codec/` or `api/`, and no torch: it plans with the
-  step types of `orpheus_serve.step` and is tested on CPU with hand-built engine outputs.
+  step types of `orpheus_serve.scheduler.step` and is tested on CPU with hand-built engine outputs.
 - `engines/` and `codec/` never import each other or `api/`.
 - nothing imports `api/` (the gateway) but `api/` itself, the entry point `__main__` and `deploy/`
   (deployments wrap the server's app: DESIGN §2).
@@ -67,7 +67,7 @@ def offenders(importer: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_sources_were_found() -> None:
     assert "orpheus_serve.scheduler.scheduler" in SOURCES
-    assert "orpheus_serve.step" in SOURCES["orpheus_serve.scheduler.scheduler"]
+    assert "orpheus_serve.scheduler.step" in SOURCES["orpheus_serve.scheduler.scheduler"]
 
 
 @pytest.mark.parametrize(("importer", "forbidden"), [

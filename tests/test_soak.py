@@ -43,8 +43,8 @@ from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
-from orpheus_serve.synthesis import PROTOCOLS
+from orpheus_serve.request.types import PROTOCOLS
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 
 REQUESTS = int(os.environ.get("ORPHEUS_SOAK_REQUESTS", "600"))
 # The stateful decoder runs tiny SNAC on the CPU: tens of milliseconds a frame here, so a smaller run.

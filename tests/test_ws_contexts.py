@@ -19,9 +19,9 @@ from websockets.asyncio.client import connect
 
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.client.protocols import stream_url
-from orpheus_serve.protocol import SAMPLE_RATE
-from orpheus_serve.service import TTSService
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.service.service import TTSService
+from orpheus_serve.service.word_timings import words_of
+from orpheus_serve.token_format import SAMPLE_RATE
 from tests.gateway_support import stats, tiny_config
 
 REPLY = "Sure, I can help with that. The weather today is sunny, with a light breeze. Anything else?"

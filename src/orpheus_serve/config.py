@@ -171,10 +171,10 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     playground: bool = True  # the web page at / and /playground (static files, no internet needed)
     # The engine core (scheduler, engine, codec worker) in a process of its own, fed over ZeroMQ
-    # (mp_client.py); false: threads of this process (engine_client.InprocClient).
+    # (mp_client.py); false: threads of this process (core.client.InprocClient).
     engine_process: bool = False
     # API processes (HTTP/WebSocket + gRPC, sharing the ports with SO_REUSEPORT) in front of the one engine
-    # core (api/api_processes.py); more than 1 needs engine_process.
+    # core (api/process_group.py); more than 1 needs engine_process.
     api_processes: int = Field(1, ge=1, le=64)
     restart_core: bool = True  # start a dead engine-core process again; false: the server exits non-zero
     restart_api_processes: bool = True  # start a dead API process (1..N-1) again; false: the server exits non-zero

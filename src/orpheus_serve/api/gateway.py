@@ -40,12 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
+from ..audio.encoding import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
-from ..metrics import ServingMetrics
-from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
-from ..stats import merge_api_processes
-from ..synthesis import (
+from ..metrics.prometheus import ServingMetrics
+from ..metrics.stats import merge_api_processes
+from ..request.types import (
     PROTOCOLS,
     AudioChunk,
     ChunkTimings,
@@ -57,11 +56,12 @@ from ..synthesis import (
     SynthesisMetrics,
     SynthesisRequest,
 )
+from ..token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
-    from ..service import TTSService
-    from ..stats import ServiceSnapshot
+    from ..metrics.stats import ServiceSnapshot
+    from ..service.service import TTSService
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ class SpeechStream:
 
     async def events(self) -> AsyncIterator[bytes | ChunkTimings]:
         """`audio()`'s bytes with each text chunk's ChunkTimings in order, after that chunk's audio
-        (incremental-text requests and requests with timestamps; see synthesis.ChunkTimings)."""
+        (incremental-text requests and requests with timestamps; see request.types.ChunkTimings)."""
         item = self._head
         self._head = None
         encoder = self.encoder

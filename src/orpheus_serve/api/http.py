@@ -30,10 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from ..audio import CONTENT_TYPES
+from ..audio.encoding import CONTENT_TYPES
 from ..config import Config
-from ..metrics import PROMETHEUS_CONTENT_TYPE
-from ..synthesis import InvalidRequestError, SynthesisError
+from ..metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+from ..request.types import InvalidRequestError, SynthesisError
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
 from .schemas import (

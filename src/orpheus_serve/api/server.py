@@ -3,7 +3,7 @@
 With `server.engine_process` the service's engine core runs in a process of its own, which this
 one starts and supervises (mp_client.py); if it dies for good the server stops with exit code 1.
 With `server.api_processes` > 1 this process (API process 0) also starts and supervises the other
-API processes, each an OrpheusServer of its own on the same ports (api_processes.py).
+API processes, each an OrpheusServer of its own on the same ports (process_group.py).
 
 Start-up order: bind both ports (so /health answers and /ready says
 `warming_up` at once), then `service.start()` warms the model, then /ready and
@@ -35,8 +35,8 @@ import anyio
 import uvicorn
 
 from ..config import Config
-from ..mp_client import MPClient
-from ..stats import api_process_figures
+from ..core.mp_client import MPClient
+from ..metrics.stats import api_process_figures
 from .cartesia import add_cartesia_route
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
@@ -45,8 +45,8 @@ from .riva import RivaSpeechSynthesisService
 from .websocket import WebSocketProtocol
 
 if TYPE_CHECKING:
-    from ..service import TTSService
-    from .api_processes import ApiProcessGroup
+    from ..service.service import TTSService
+    from .process_group import ApiProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def tiny_model_banner(info: Any) -> str:
 class OrpheusServer:
     def __init__(self, config: Config, service: TTSService | None = None, *, api_index: int = 0) -> None:
         if service is None:
-            from ..service import TTSService
+            from ..service.service import TTSService
 
             service = TTSService.from_config(config)
         self.config = config
@@ -114,7 +114,7 @@ class OrpheusServer:
         self._stop = asyncio.Event()  # set by SIGTERM/SIGINT or request_stop(): serve_until_signalled stops
 
     def _share_counters(self, client: MPClient) -> None:
-        """Every API process's /v1/stats sums all of their counters (api_processes.py)."""
+        """Every API process's /v1/stats sums all of their counters (process_group.py)."""
         tally = self.service.tally
         metrics = self.gateway.metrics
 
@@ -187,7 +187,7 @@ class OrpheusServer:
         client = getattr(self.service, "client", None)
         if self.api_index == 0 and self.config.server.api_processes > 1 and isinstance(client, MPClient):
             # The other API processes warm up first: once this one is ready, all are.
-            from .api_processes import ApiProcessGroup
+            from .process_group import ApiProcessGroup
 
             assert self.http_port is not None and self.grpc_port is not None
             self._api_group = ApiProcessGroup(self.config, client)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..step import EngineError
+    from ..scheduler.step import EngineError
     from .server import run_server
 
     try:

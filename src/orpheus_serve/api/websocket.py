@@ -55,10 +55,10 @@ from pydantic import ValidationError
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
-from ..protocol import SAMPLE_RATE
-from ..synthesis import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
-from ..validation import is_request_id
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
+from ..request.validation import is_request_id
+from ..token_format import SAMPLE_RATE
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
 from .gateway import Gateway, SpeechStream
 from .schemas import ContextOpenMessage, ContextTextMessage, StreamRequestMessage, first_validation_error

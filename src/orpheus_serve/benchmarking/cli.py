@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..protocol import FRAME_SECONDS
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import FRAME_SECONDS
 from .launch import LaunchedServer
 from .runner import (
     LoadSpec,

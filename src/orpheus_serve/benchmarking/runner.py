@@ -34,8 +34,8 @@ import httpx
 
 from ..client.records import percentile, summarize
 from ..config import SimConfig
-from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
 from .workload import make_workload
 
 

@@ -21,13 +21,13 @@ import numpy as np
 
 from ..config import SchedulerConfig, SimConfig
 from ..engines.sim_engine import SimEngine
-from ..protocol import FRAME_SECONDS, TEXT_VOCAB_SIZE, TOKENS_PER_FRAME
 from ..scheduler.errors import SchedulerFullError
 from ..scheduler.events import FramesReady, SchedulerEvent, SessionFinished
 from ..scheduler.flush import FlushPolicy
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.session import SessionRequest
-from ..step import SamplingParams
+from ..scheduler.step import SamplingParams
+from ..token_format import FRAME_SECONDS, TEXT_VOCAB_SIZE, TOKENS_PER_FRAME
 
 _EPS = 1e-9
 

@@ -29,12 +29,12 @@ import httpx
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from ..audio import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
+from ..audio.encoding import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
 from ..proto import AUDIO_FORMAT_NUMBERS
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..protocol import SAMPLE_RATE
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import SAMPLE_RATE
 from .records import StreamRecord
 
 DEFAULT_URL = "http://127.0.0.1:8000"

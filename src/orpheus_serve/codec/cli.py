@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, load_config
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, FrameParser, ProtocolError
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, FrameParser, ProtocolError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,8 +63,8 @@ def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..codec import build_decoder, decode_offline, load_snac
-    from ..codec.base import CodecPush
+    from . import build_decoder, decode_offline, load_snac
+    from .base import CodecPush
 
     try:
         overrides: dict[str, object] = {}

@@ -31,7 +31,7 @@ from snac import SNAC
 from snac.layers import NoiseBlock
 
 from ..config import resolve_device, resolve_dtype
-from ..protocol import CODEBOOK_SIZE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..token_format import CODEBOOK_SIZE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME
 from .base import CodecPush, CodecResult
 
 

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from snac import SNAC
 
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .base import CodecPush, CodecResult
 from .cropped import CroppedDecoder
 from .loader import check_frames, decode_frames, model_device

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..protocol import join_frames
+from ..token_format import join_frames
 from .base import CodecPush, CodecResult, StreamingDecoder
 from .loader import check_frames
 

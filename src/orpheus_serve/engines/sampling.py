@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from orpheus_serve import protocol as P
-from orpheus_serve.step import SamplingParams
+from orpheus_serve import token_format as P
+from orpheus_serve.scheduler.step import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config, SimConfig
-from ..protocol import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
-from ..step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..scheduler.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..token_format import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
 from .base import MemoryReport
 
 

@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import Config, ConfigError, load_config
-from ..protocol import PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
-from ..step import EngineError
+from ..scheduler.step import EngineError
+from ..token_format import PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
 from .trtllm_env import MANIFEST_FORMAT, MANIFEST_NAME, check_tensorrt_available, probe_trtllm_version
 from .vram_budget import (
     FP8_MIN_COMPUTE_CAPABILITY,

@@ -101,7 +101,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import (
+from ..scheduler.step import (
+    EngineDeadError,
+    EngineError,
+    PrefillChunk,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    sampling_problem,
+)
+from ..token_format import (
     AUDIO_TOKEN_BASE,
     CODEBOOK_SIZE,
     END_OF_SPEECH,
@@ -110,7 +119,6 @@ from ..protocol import (
     TOKENS_PER_FRAME,
     VOCAB_SIZE,
 )
-from ..step import EngineDeadError, EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 from .base import MemoryReport
 from .trtllm_env import MANIFEST_NAME, check_tensorrt_available, engine_mismatch, read_manifest
 from .vram_budget import ORPHEUS_3B, LlamaDims, kv_bytes_per_slot

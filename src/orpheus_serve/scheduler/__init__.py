@@ -1,5 +1,5 @@
 """Session scheduling over KV-cache slots (pure Python: no torch, and no engine, codec or api imports;
-the step types it plans come from `orpheus_serve.step`).
+the step types it plans come from `orpheus_serve.scheduler.step`).
 
 See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
 (slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..protocol import FRAME_SECONDS, TOKENS_PER_FRAME
+from ..token_format import FRAME_SECONDS, TOKENS_PER_FRAME
 
 # Feature scales: keep the normal equations well conditioned (batch ~1..512, context ~1e2..1e6 tokens).
 _CTX_SCALE = 1e-4

@@ -46,7 +46,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 from ..config import SchedulerConfig
-from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..token_format import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .capacity import CapacityEstimate, CapacityModel
 from .flush import FlushPolicy
 from .session import Session, SessionState

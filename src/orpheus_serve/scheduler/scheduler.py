@@ -59,8 +59,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
-from ..step import PrefillChunk, StepOutput, StepPlan
+from ..token_format import SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
 from .capacity import CapacityModel
 from .errors import InvalidSessionError, SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
@@ -69,6 +68,7 @@ from .flush import FlushPolicy, FrameBuffer
 from .policy import SchedulingPolicy, make_policy
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
+from .step import PrefillChunk, StepOutput, StepPlan
 
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 60.0

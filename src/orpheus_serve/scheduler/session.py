@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import SAMPLE_RATE, FrameParser
-from ..step import SamplingParams
+from ..token_format import SAMPLE_RATE, FrameParser
 from .flush import FrameBuffer
+from .step import SamplingParams
 
 PRIORITY_FIRST_AUDIO = 1.0  # engine priority before a session's first audio (TTFB boost)
 PRIORITY_STREAMING = 0.5  # after it

@@ -27,10 +27,10 @@ from typing import Any
 
 import msgpack
 
-from .engine_client import EngineCoreStats, SessionDone, SessionOutput
-from .engines.base import MemoryReport
-from .scheduler import FlowStats, SchedulerStats, SessionRequest
-from .step import SamplingParams
+from ..engines.base import MemoryReport
+from ..scheduler import FlowStats, SchedulerStats, SessionRequest
+from ..scheduler.step import SamplingParams
+from .client import EngineCoreStats, SessionDone, SessionOutput
 
 CALL_SUBMIT = 1
 CALL_STATS = 2

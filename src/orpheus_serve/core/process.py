@@ -3,7 +3,7 @@
 vLLM v1's `EngineCoreProc` pattern. `MPClient` (mp_client.py) starts this
 process with the spawn context; it builds the engine and decoder, says it is
 ready over a pipe (or why it failed), and then runs exactly what the
-in-process client runs (`engine_client.CoreRuntime`: the engine core thread
+in-process client runs (`core.client.CoreRuntime`: the engine core thread
 and the codec worker thread) with ZeroMQ in place of the event loop:
 
     main thread (input):   ROUTER  <- every API process's DEALER
@@ -21,7 +21,7 @@ Each session's outputs go to the API process that submitted it (the
 the output thread is bounded the way the in-process inbox is: the scheduler
 holds back sessions whose client has not taken their audio, and the
 delivery notes that release them come only from the API processes. Sockets
-keep ZeroMQ high-water marks (engine_wire.SOCKET_HWM).
+keep ZeroMQ high-water marks (wire.SOCKET_HWM).
 
 This process ignores SIGINT and SIGTERM: its API process drains the streams
 first and then tells it to stop. It exits by itself when that process dies
@@ -44,13 +44,13 @@ from typing import Any
 
 import zmq
 
-from . import engine_wire as wire
-from .codec.base import StreamingDecoder
-from .config import Config
-from .engine_client import CoreRuntime, SessionDone, SessionOutput
-from .engines.base import TokenEngine
-from .scheduler import InvalidSessionError, SchedulerFullError
-from .synthesis import ServiceUnavailableError
+from ..codec.base import StreamingDecoder
+from ..config import Config
+from ..engines.base import TokenEngine
+from ..request.types import ServiceUnavailableError
+from ..scheduler import InvalidSessionError, SchedulerFullError
+from . import wire
+from .client import CoreRuntime, SessionDone, SessionOutput
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def run_engine_core(config_data: dict[str, Any], addresses: CoreAddresses, ready
     # Two busy threads (engine core, codec) and two I/O threads share this interpreter; see server.run_server.
     sys.setswitchinterval(config.server.switch_interval_ms / 1000.0)
     try:
-        from .service_builder import build_engine_and_decoder
+        from ..service.build import build_engine_and_decoder
 
         engine, decoder, codec_device = build_engine_and_decoder(config)
         proc = EngineCoreProc(config, engine, decoder, codec_device, addresses)
@@ -215,7 +215,7 @@ class EngineCoreProc:
 
     def _submit(self, api: int, fields: list[Any]) -> list[Any]:
         request = wire.decode_request(fields)
-        if api in self._gone:  # started again in its place (api/api_processes.py): its outputs flow again
+        if api in self._gone:  # started again in its place (api/process_group.py): its outputs flow again
             self._gone.discard(api)
             with self._cond:
                 self._reopen_outputs.add(api)
@@ -300,7 +300,7 @@ class EngineCoreProc:
             for api in resets:
                 # A dead API process's socket: what it queued is for sessions that no longer exist, and a send
                 # to it would block this thread at the high-water mark. Nothing is sent there again until a
-                # process started in its place submits (api/api_processes.py).
+                # process started in its place submits (api/process_group.py).
                 out = self._outputs[api]
                 if out is not None:
                     out.close(0)

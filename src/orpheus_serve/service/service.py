@@ -3,7 +3,7 @@
     synthesize(request)                              (asyncio, the gateway's task)
       ├─ validate (validation.py), split text into sentence chunks (text.py)
       ├─ per chunk: prompt ids -> SessionRequest -> EngineCoreClient.submit
-      │     (engine_client.py: the engine core and codec behind one seam)
+      │     (core/client.py: the engine core and codec behind one seam)
       └─ yields AudioChunk (16-bit PCM) from the session's outputs in order, then one SynthesisMetrics
 
 Long text plays as one continuous stream: chunk k+1 is submitted the moment
@@ -27,7 +27,7 @@ real-time" includes the gateway).
 
 The service counts nothing itself: observers (the request tally behind
 `/v1/stats`, the Prometheus metrics) hear of every request's progress and
-outcome. Wiring lives in service_builder.py.
+outcome. Wiring lives in service/build.py.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import protocol
-from .config import Config
-from .engine_client import EngineCoreClient, SessionDone, SessionOutput
-from .scheduler import AdmissionError, SchedulerFullError, SessionRequest
-from .stats import RequestOutcome, RequestTally, ServiceSnapshot, saturation, service_stats
-from .step import SEED_MAX
-from .synthesis import (
+from .. import token_format
+from ..config import Config
+from ..core.client import EngineCoreClient, SessionDone, SessionOutput
+from ..metrics.stats import RequestOutcome, RequestTally, ServiceSnapshot, saturation, service_stats
+from ..request.text import TEXT_CHUNK_CHARS, speech_chunks
+from ..request.text_stream import TextChunk, TextStream
+from ..request.types import (
     AudioChunk,
     ChunkTimings,
     EngineFailureError,
@@ -59,13 +59,13 @@ from .synthesis import (
     SynthesisRequest,
     SynthesisTimeoutError,
 )
-from .text import TEXT_CHUNK_CHARS, speech_chunks
-from .text_stream import TextChunk, TextStream
-from .validation import Limits, resolve_sampling, validate_request
+from ..request.validation import Limits, resolve_sampling, validate_request
+from ..scheduler import AdmissionError, SchedulerFullError, SessionRequest
+from ..scheduler.step import SEED_MAX
 from .word_timings import AudioEnvelope, estimate_word_timings
 
 if TYPE_CHECKING:
-    from .service_builder import TokenLog
+    from .build import TokenLog
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class TTSService:
 
     @classmethod
     def from_config(cls, config: Config, *, record_tokens: bool = False) -> TTSService:
-        """Build tokenizer, engine and codec from config (service_builder.build_service)."""
-        from .service_builder import build_service
+        """Build tokenizer, engine and codec from config (service.build.build_service)."""
+        from .build import build_service
 
         return build_service(config, record_tokens=record_tokens)
 
@@ -118,7 +118,7 @@ class TTSService:
         self._lag_watch = asyncio.create_task(self._watch_loop_lag(), name="loop-lag")
         self.accepting = True
         if warmup:
-            warm = SynthesisRequest(text="Hello.", voice=protocol.DEFAULT_VOICE, max_tokens=28, temperature=0.0,
+            warm = SynthesisRequest(text="Hello.", voice=token_format.DEFAULT_VOICE, max_tokens=28, temperature=0.0,
                                     request_id="warmup")
             async for _ in self._synthesize(warm, count=False):
                 pass
@@ -170,7 +170,7 @@ class TTSService:
         return validate_request(req, self._limits, prompt_len=lambda voice, text: len(self.prompt_ids(voice, text)))
 
     def prompt_ids(self, voice: str, text: str) -> tuple[int, ...]:
-        return tuple(protocol.build_prompt_ids(self._tokenizer, voice, text))
+        return tuple(token_format.build_prompt_ids(self._tokenizer, voice, text))
 
     async def synthesize(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk | ChunkTimings | SynthesisMetrics]:
         """AudioChunk items (and, with timestamps or incremental text, a ChunkTimings after each text chunk's
@@ -287,7 +287,7 @@ class TTSService:
                     current = await self._next_chunk(text)
                     session_id = await start(current)
             metrics.samples = run.samples
-            metrics.audio_seconds = run.samples / protocol.SAMPLE_RATE
+            metrics.audio_seconds = run.samples / token_format.SAMPLE_RATE
             metrics.wall_s = time.monotonic() - received
             reported = True
             if count:
@@ -333,7 +333,7 @@ class TTSService:
         now = time.monotonic()
         # Audio the client still has to play when this chunk starts: its deadline (DESIGN §5). A client whose
         # audio ran out while the text was still coming is waiting now, like one waiting for its first audio.
-        audio_before = run.samples / protocol.SAMPLE_RATE
+        audio_before = run.samples / token_format.SAMPLE_RATE
         played_from = run.first_audio_at if run.first_audio_at is not None else now
         if req.text_input is not None and played_from + audio_before <= now:
             played_from, audio_before = now, 0.0

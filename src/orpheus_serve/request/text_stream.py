@@ -38,9 +38,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import StreamInputConfig
-from .synthesis import InvalidRequestError
+from ..config import StreamInputConfig
 from .text import TEXT_CHUNK_CHARS, clause_ends, has_speech, sentence_ends, split_text
+from .types import InvalidRequestError
 from .validation import check_unicode
 
 log = logging.getLogger(__name__)

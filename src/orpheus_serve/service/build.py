@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .codec.base import StreamingDecoder
-from .config import Config
-from .engine_client import InprocClient
-from .engines.base import TokenEngine
-from .scheduler import FramesReady, SchedulerEvent, SessionFinished
+from ..codec.base import StreamingDecoder
+from ..config import Config
+from ..core.client import InprocClient
+from ..engines.base import TokenEngine
+from ..request.types import ModelInfo
+from ..scheduler import FramesReady, SchedulerEvent, SessionFinished
 from .service import TTSService
-from .synthesis import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ class ResolvedModels:
 def resolve_models(config: Config) -> ResolvedModels:
     """Engine mode applied, backend checked, model paths resolved (the tiny models if the real ones are
     missing, said loudly). Cheap: loads nothing."""
-    from .config import apply_engine_mode
-    from .engines.factory import check_backend
-    from .models import resolve_model_paths
+    from ..config import apply_engine_mode
+    from ..engines.factory import check_backend
+    from ..weights.paths import resolve_model_paths
 
     config = apply_engine_mode(config)
     check_backend(config)
@@ -92,10 +92,10 @@ def resolve_models(config: Config) -> ResolvedModels:
 def build_engine_and_decoder(config: Config) -> tuple[TokenEngine, StreamingDecoder, str]:
     """Engine, decoder and the codec's device from a config whose model paths are resolved
     (`resolve_models`). Runs where the engine core runs: this process, or the engine-core process."""
-    from .codec import build_decoder, load_snac
-    from .codec.sim import SimDecoder
-    from .config import resolve_device, resolve_dtype
-    from .engines.factory import create_engine
+    from ..codec import build_decoder, load_snac
+    from ..codec.sim import SimDecoder
+    from ..config import resolve_device, resolve_dtype
+    from ..engines.factory import create_engine
 
     engine = create_engine(config)
     codec_device = resolve_device(config.codec.device)
@@ -128,7 +128,7 @@ def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
         # The token log taps the engine core's threads; tooling that asks for it gets them in this process.
         log.info("recording tokens: the engine core runs in this process (server.engine_process ignored)")
     elif config.server.engine_process:
-        from .mp_client import MPClient
+        from ..core.mp_client import MPClient
 
         client = MPClient(config)
         core = client.launch()

@@ -19,7 +19,7 @@ process or in another one behind the same protocol:
                   together; outputs leave through one `post(session_id, item)` callback
     InprocClient  CoreRuntime as threads of this process (server.engine_process: false)
     MPClient      CoreRuntime in an engine-core process of its own, over ZeroMQ with msgpack
-                  messages (mp_client.py, engine_proc.py, engine_wire.py; server.engine_process: true)
+                  messages (mp_client.py, core/process.py, core/wire.py; server.engine_process: true)
 
 In-process:
 
@@ -46,13 +46,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import protocol
-from .codec.base import CodecResult, StreamingDecoder
-from .codec.worker import CodecWorker
-from .config import Config
-from .engine_core import EngineCore
-from .engines.base import MemoryReport, TokenEngine
-from .scheduler import (
+from .. import token_format
+from ..codec.base import CodecResult, StreamingDecoder
+from ..codec.worker import CodecWorker
+from ..config import Config
+from ..engines.base import MemoryReport, TokenEngine
+from ..scheduler import (
     FlowStats,
     FramesReady,
     Scheduler,
@@ -62,6 +61,7 @@ from .scheduler import (
     SessionFinished,
     SessionRequest,
 )
+from .engine_core import EngineCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ def audible_lookahead(decoder: StreamingDecoder) -> int:
     samples = getattr(decoder, "lookahead_samples", None)
     if samples is None:
         return decoder.lookahead_frames
-    return samples // protocol.SAMPLES_PER_FRAME
+    return samples // token_format.SAMPLES_PER_FRAME
 
 
 def pcm16(samples: np.ndarray) -> bytes:
@@ -142,7 +142,7 @@ class CoreRuntime:
     Outputs leave through `post(session_id, item)`, called on the engine core
     thread (SessionDone of generation) and on the codec thread (PCM, the codec's
     SessionDone). Both clients run exactly this: `InprocClient` posts to the
-    asyncio loop of this process, the engine-core process (engine_proc.py)
+    asyncio loop of this process, the engine-core process (core/process.py)
     posts to the ZeroMQ sockets of its API processes."""
 
     def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder,
@@ -154,7 +154,7 @@ class CoreRuntime:
         lookahead = audible_lookahead(decoder)
         self.scheduler = Scheduler(
             config.scheduler, engine.num_slots, lookahead_frames=lookahead, max_seq_len=engine.max_seq_len,
-            lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * protocol.SAMPLES_PER_FRAME),
+            lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * token_format.SAMPLES_PER_FRAME),
             delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
             max_pass_s=config.codec.max_pass_ms / 1000,
         )

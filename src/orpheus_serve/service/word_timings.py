@@ -23,8 +23,8 @@ import re
 
 import numpy as np
 
-from .protocol import SAMPLE_RATE
-from .synthesis import WordTiming
+from ..request.types import WordTiming
+from ..token_format import SAMPLE_RATE
 
 BLOCK_SAMPLES = SAMPLE_RATE // 100  # 10 ms
 _TAG = re.compile(r"<[A-Za-z_][A-Za-z0-9_-]*>")

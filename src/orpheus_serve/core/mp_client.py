@@ -1,12 +1,12 @@
 """`MPClient`: the engine-core client for an engine core in a process of its own (vLLM v1's MPClient).
 
-    API process (asyncio loop)                         engine-core process (engine_proc.py)
+    API process (asyncio loop)                         engine-core process (core/process.py)
     submit / stats  ── DEALER, answered at once ──▶    ROUTER: scheduler.submit, stats snapshot
     delivered, cancel, release ── batched, one message per loop pass ──▶
     output handler task ◀── PULL ─── one msgpack batch of outputs per wake-up ─── PUSH
         └─▶ per-session asyncio.Queue (what `outputs()` returns, as in-process)
 
-Messages are msgpack (engine_wire.py): ids, numbers and PCM bytes, nothing pickled.
+Messages are msgpack (core/wire.py): ids, numbers and PCM bytes, nothing pickled.
 
 Admission is answered before `submit()` returns, as in-process: it sends the
 request and awaits the core's answer (admitted, or the scheduler's own
@@ -36,7 +36,7 @@ set and the server exits non-zero. `shutdown()` asks the core to stop after
 the service has drained, then joins it (terminate, then kill, if it does not
 go).
 
-More API processes (server.api_processes > 1, api/api_processes.py): API
+More API processes (server.api_processes > 1, api/process_group.py): API
 process 0 owns the core as above; API process i > 0 uses `MPClient.attach()`:
 the same sockets (its own output address, `outputs[i]`) to the same core, no
 process of its own. It learns of the core's death and restart from API process
@@ -66,18 +66,18 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import engine_wire as wire
-from .config import Config
-from .engine_client import EngineCoreStats, SessionDone, SessionOutput
-from .engine_proc import CALL_SHUTDOWN, CoreAddresses, CoreInfo, run_engine_core
-from .scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
-from .synthesis import ServiceUnavailableError
+from ..config import Config
+from ..request.types import ServiceUnavailableError
+from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
+from . import wire
+from .client import EngineCoreStats, SessionDone, SessionOutput
+from .process import CALL_SHUTDOWN, CoreAddresses, CoreInfo, run_engine_core
 
 log = logging.getLogger(__name__)
 
 _JOIN_S = 10.0  # the core's own shutdown (engine close, codec stop) before it is terminated
 _WARMUP_S = 120.0  # a restarted core's warm-up session
-# A core (or an API process, api/api_processes.py) that dies more than this many times within CRASH_LOOP_S is
+# A core (or an API process, api/process_group.py) that dies more than this many times within CRASH_LOOP_S is
 # not started again (the server stops): something outside it is wrong, and each restart fails streams again.
 CRASH_LOOP_RESTARTS = 3
 CRASH_LOOP_S = 300.0

@@ -6,7 +6,7 @@ engine core in a process of its own. With `server.api_processes: N` (which
 needs `server.engine_process`) N API processes share the listening ports and
 the one core:
 
-    API process 0 (production_server.py)        engine-core process (engine_proc.py)
+    API process 0 (production_server.py)        engine-core process (core/process.py)
       owns and supervises the core ─── ROUTER input, PUSH output-0 ──────▶ │
       spawns and supervises API 1..N-1 ─ pipe: ready / stop / core down, up │
     API process i (spawned)                                                 │
@@ -59,8 +59,8 @@ from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
 from ..config import Config
-from ..engine_proc import CoreAddresses, CoreInfo
-from ..mp_client import CRASH_LOOP_RESTARTS, CRASH_LOOP_S, MPClient
+from ..core.mp_client import CRASH_LOOP_RESTARTS, CRASH_LOOP_S, MPClient
+from ..core.process import CoreAddresses, CoreInfo
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,8 @@ def run_api_process(config_data: dict[str, Any], index: int, addresses: CoreAddr
 
 
 async def _serve(config: Config, index: int, addresses: CoreAddresses, info: CoreInfo, conn: Connection) -> int:
-    from ..service import TTSService
-    from ..service_builder import load_tokenizer, resolve_models
+    from ..service.build import load_tokenizer, resolve_models
+    from ..service.service import TTSService
     from .server import OrpheusServer
 
     resolved = resolve_models(config)

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, get_args
 
-from .protocol import SAMPLE_RATE
+from ..token_format import SAMPLE_RATE
 
 if TYPE_CHECKING:
     from .text_stream import TextStream
