@@ -11,7 +11,8 @@ import pytest
 
 from orpheus_serve import token_format
 from orpheus_serve.config import Config, load_config
-from orpheus_serve.request.types import AudioChunk, QueueFullError, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.request.errors import QueueFullError
+from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
 from orpheus_serve.service.service import TTSService
 
 

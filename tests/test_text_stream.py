@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from orpheus_serve.config import StreamInputConfig
+from orpheus_serve.request.errors import InvalidRequestError
 from orpheus_serve.request.text import speech_chunks
-from orpheus_serve.request.text_stream import TextChunk, TextStream
-from orpheus_serve.request.types import InvalidRequestError
+from orpheus_serve.request.text_stream import TextStream
+from orpheus_serve.request.types import TextChunk
 from orpheus_serve.service.word_timings import AudioEnvelope, estimate_word_timings, speech_bounds, words_of
 from orpheus_serve.token_format import SAMPLE_RATE
 

@@ -476,7 +476,7 @@ def test_dead_executor_fails_every_open_session_and_stops_admission() -> None:
     from orpheus_serve.codec.worker import CodecWorker
     from orpheus_serve.config import SchedulerConfig
     from orpheus_serve.core.engine_core import EngineCore
-    from orpheus_serve.request.types import ServiceUnavailableError
+    from orpheus_serve.request.errors import ServiceUnavailableError
     from orpheus_serve.scheduler import Scheduler, SchedulerEvent, SessionFailed, SessionFinished
     from orpheus_serve.scheduler.session import SessionRequest
 

@@ -16,8 +16,9 @@ from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.engines.trtllm_engine import TrtLlmEngine, TrtLlmEngineSettings
+from orpheus_serve.request.errors import InvalidRequestError
 from orpheus_serve.request.text import TEXT_CHUNK_CHARS, has_speech, normalize_text
-from orpheus_serve.request.types import InvalidRequestError, SynthesisRequest
+from orpheus_serve.request.types import SynthesisRequest
 from orpheus_serve.request.validation import Limits, Range, field_range, validate_request
 from orpheus_serve.scheduler.step import SEED_MAX, PrefillChunk, SamplingParams, StepPlan
 from orpheus_serve.service.build import load_tokenizer

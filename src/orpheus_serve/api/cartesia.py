@@ -57,8 +57,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ..config import StreamInputConfig
+from ..request.errors import ClientStalledError, InvalidRequestError, SynthesisError
 from ..request.text_stream import TextStream
-from ..request.types import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
+from ..request.types import ChunkTimings, SynthesisRequest
 from ..token_format import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
 from .errors import TooManyConnectionsError, UnauthorizedError, mapping_for
 from .gateway import Gateway, OutputOptions, SpeechStream

@@ -44,18 +44,8 @@ from ..audio.encoding import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder
 from ..config import Config
 from ..metrics.prometheus import ServingMetrics
 from ..metrics.stats import merge_api_processes
-from ..request.types import (
-    PROTOCOLS,
-    AudioChunk,
-    ChunkTimings,
-    ClientStalledError,
-    InvalidRequestError,
-    ProtocolName,
-    ServiceUnavailableError,
-    SynthesisError,
-    SynthesisMetrics,
-    SynthesisRequest,
-)
+from ..request.errors import ClientStalledError, InvalidRequestError, ServiceUnavailableError, SynthesisError
+from ..request.types import PROTOCOLS, AudioChunk, ChunkTimings, ProtocolName, SynthesisMetrics, SynthesisRequest
 from ..token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from .errors import TooManyConnectionsError, UnauthorizedError
 

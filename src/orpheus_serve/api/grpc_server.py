@@ -27,7 +27,8 @@ from ..audio.encoding import default_sample_rate
 from ..proto import AUDIO_FORMAT_NAMES
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..request.types import InvalidRequestError, ProtocolName, SynthesisError, SynthesisRequest
+from ..request.errors import InvalidRequestError, SynthesisError
+from ..request.types import ProtocolName, SynthesisRequest
 from ..request.validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
 from .gateway import Gateway, OutputOptions, voice_list

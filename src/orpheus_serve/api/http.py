@@ -33,7 +33,7 @@ from .. import __version__
 from ..audio.encoding import CONTENT_TYPES
 from ..config import Config
 from ..metrics.prometheus import PROMETHEUS_CONTENT_TYPE
-from ..request.types import InvalidRequestError, SynthesisError
+from ..request.errors import InvalidRequestError, SynthesisError
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
 from .schemas import (

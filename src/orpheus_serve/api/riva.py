@@ -41,8 +41,9 @@ from riva.client.proto import riva_audio_pb2 as riva_audio
 from riva.client.proto import riva_tts_pb2 as rtts
 
 from ..audio.encoding import default_sample_rate, supported_sample_rates
+from ..request.errors import InvalidRequestError, SynthesisError
 from ..request.text_stream import TextStream
-from ..request.types import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
+from ..request.types import ChunkTimings, SynthesisRequest
 from ..token_format import SAMPLE_RATE, VOICES
 from .gateway import Gateway, OutputOptions, SpeechStream
 from .grpc_server import (

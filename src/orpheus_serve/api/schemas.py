@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..audio.encoding import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat, default_sample_rate
-from ..request.types import InvalidRequestError, SynthesisRequest
+from ..request.errors import InvalidRequestError
+from ..request.types import SynthesisRequest
 from ..request.validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, documented_ranges
 from .gateway import OutputOptions
 

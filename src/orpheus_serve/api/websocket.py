@@ -55,8 +55,9 @@ from pydantic import ValidationError
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
+from ..request.errors import InvalidRequestError, SynthesisError
 from ..request.text_stream import TextStream
-from ..request.types import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
+from ..request.types import ChunkTimings, SynthesisRequest
 from ..request.validation import is_request_id
 from ..token_format import SAMPLE_RATE
 from .errors import RequestLimitError, TooManyConnectionsError, error_body

@@ -57,7 +57,7 @@ from typing import Protocol
 
 from ..codec.base import CodecPush
 from ..engines.base import TokenEngine
-from ..request.types import ServiceUnavailableError
+from ..request.errors import ServiceUnavailableError
 from ..scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
 from ..scheduler.step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
 

@@ -67,7 +67,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import Config
-from ..request.types import ServiceUnavailableError
+from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from . import wire
 from .client import EngineCoreStats, SessionDone, SessionOutput

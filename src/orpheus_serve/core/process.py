@@ -47,7 +47,7 @@ import zmq
 from ..codec.base import StreamingDecoder
 from ..config import Config
 from ..engines.base import TokenEngine
-from ..request.types import ServiceUnavailableError
+from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError
 from . import wire
 from .client import CoreRuntime, SessionDone, SessionOutput

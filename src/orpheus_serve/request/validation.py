@@ -44,8 +44,9 @@ from pydantic import BaseModel
 from .. import token_format
 from ..config import Config, SamplingConfig
 from ..scheduler.step import SEED_MAX, SamplingParams
+from .errors import InvalidRequestError
 from .text import has_speech, normalize_text, split_text
-from .types import InvalidRequestError, SynthesisRequest
+from .types import SynthesisRequest
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_CHARS = r"[\x20-\x7e]+"  # printable ASCII

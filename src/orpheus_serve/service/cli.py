@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .. import token_format
 from ..config import ConfigError, load_config
-from ..request.types import AudioChunk, SynthesisError, SynthesisMetrics, SynthesisRequest
+from ..request.errors import SynthesisError
+from ..request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -44,20 +44,24 @@ from .. import token_format
 from ..config import Config
 from ..core.client import EngineCoreClient, SessionDone, SessionOutput
 from ..metrics.stats import RequestOutcome, RequestTally, ServiceSnapshot, saturation, service_stats
-from ..request.text import TEXT_CHUNK_CHARS, speech_chunks
-from ..request.text_stream import TextChunk, TextStream
-from ..request.types import (
-    AudioChunk,
-    ChunkTimings,
+from ..request.errors import (
     EngineFailureError,
     EngineUnavailableError,
     InvalidRequestError,
-    ModelInfo,
     QueueFullError,
     ServiceUnavailableError,
+    SynthesisTimeoutError,
+)
+from ..request.text import TEXT_CHUNK_CHARS, speech_chunks
+from ..request.text_stream import TextStream
+from ..request.types import (
+    AudioChunk,
+    ChunkTimings,
+    ModelInfo,
     SynthesisMetrics,
     SynthesisRequest,
-    SynthesisTimeoutError,
+    TextChunk,
+    TextSource,
 )
 from ..request.validation import Limits, resolve_sampling, validate_request
 from ..scheduler import AdmissionError, SchedulerFullError, SessionRequest
@@ -318,7 +322,7 @@ class TTSService:
                     self._idle.set()
 
     @staticmethod
-    async def _next_chunk(text: TextStream) -> TextChunk | None:
+    async def _next_chunk(text: TextSource) -> TextChunk | None:
         """The next chunk to generate, waiting for text if need be; None once the text is exhausted."""
         while (chunk := text.take()) is None:
             if text.exhausted:
@@ -394,7 +398,7 @@ class _Run:
     first_audio_at: float | None = None
 
 
-async def _first_of(outputs: asyncio.Queue[SessionOutput], text: TextStream) -> SessionOutput | None:
+async def _first_of(outputs: asyncio.Queue[SessionOutput], text: TextSource) -> SessionOutput | None:
     """The session's next output, or None if the text changed first (new text, a flush, the end, a deadline)."""
     get = asyncio.ensure_future(outputs.get())
     changed = asyncio.ensure_future(text.wait())
