@@ -12,6 +12,7 @@ import pytest
 from orpheus_serve import token_format
 from orpheus_serve.request.text_stream import TextStream
 from orpheus_serve.request.types import AudioChunk, ChunkTimings, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.build import build_service
 from orpheus_serve.service.service import TTSService
 from orpheus_serve.service.word_timings import words_of
 from tests.test_service import make_config
@@ -22,7 +23,7 @@ LONG_REPLY = ("Sure, I can help with that. " + "The weather today is sunny, with
 
 
 def service_for(tiny_models: Path, **overrides: object) -> TTSService:
-    return TTSService.from_config(make_config(tiny_models, **{"scheduler.admission": "slots", **overrides}),
+    return build_service(make_config(tiny_models, **{"scheduler.admission": "slots", **overrides}),
                                   record_tokens=True)
 
 

@@ -24,7 +24,7 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from orpheus_serve import token_format as P
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker

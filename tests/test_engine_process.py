@@ -28,12 +28,14 @@ from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.config import ConfigError, load_config
 from orpheus_serve.core import wire
 from orpheus_serve.core.client import SessionDone
-from orpheus_serve.core.process import CALL_SHUTDOWN, CoreAddresses, EngineCoreProc
+from orpheus_serve.core.process import EngineCoreProc
+from orpheus_serve.core.wire import CALL_SHUTDOWN, CoreAddresses
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import SessionRequest
 from orpheus_serve.scheduler.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.service.build import build_service
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
 
 SPLIT = {"server.engine_process": True}
@@ -111,9 +113,13 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
         assert reply[0] == number
         return reply[1:]
 
+    engine_dead: list[wire.EngineDead] = []
+
     def next_outputs() -> list[tuple[str, Any]]:
         assert outputs.poll(10_000), "no output from the core"
-        return [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+        decoded = [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+        engine_dead.extend(item for item in decoded if isinstance(item, wire.EngineDead))
+        return [item for item in decoded if not isinstance(item, wire.EngineDead)]
 
     def request(request_id: str) -> list[Any]:
         return wire.encode_request(SessionRequest(request_id, (128259, 128000, 42, 128257),
@@ -127,10 +133,10 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
             pcm = b"".join(item for session, item in next_outputs() if session == "a" and isinstance(item, bytes))
         engine.failing = True
         seen: dict[str, SessionDone] = {}
-        while "" not in seen or "a" not in seen:
+        while not engine_dead or "a" not in seen:
             seen.update((session, item) for session, item in next_outputs() if isinstance(item, SessionDone))
         assert seen["a"].reason == "error" and "code 134" in (seen["a"].error or "")
-        assert seen[""].reason == "engine_dead" and "code 134" in (seen[""].error or "")
+        assert len(engine_dead) == 1 and "code 134" in engine_dead[0].error
         status, message, _ = call(wire.CALL_SUBMIT, 0, request("b"))
         assert status == wire.UNAVAILABLE and "code 134" in message
         stats = wire.decode_stats(call(wire.CALL_STATS)[1])
@@ -411,11 +417,10 @@ def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
     """An engine that fails to build in the core process fails the server's start with the core's own
     traceback, at once, instead of a hang."""
     from orpheus_serve.core.mp_client import CoreStartError
-    from orpheus_serve.service.service import TTSService
 
     config = sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.step_base_ms": 9.0, "engine.backend": "torch",
                                                   "engine.device": "cuda:7"})
     started = time.monotonic()
     with pytest.raises(CoreStartError, match=r"(?s)failed to start.*Traceback"):
-        TTSService.from_config(config)
+        build_service(config)
     assert time.monotonic() - started < 120

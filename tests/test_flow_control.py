@@ -18,7 +18,7 @@ from orpheus_serve.codec.base import CodecPush, CodecResult
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
-from orpheus_serve.service.service import TTSService
+from orpheus_serve.service.build import build_service
 from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.gateway_support import settled_stats, sim_config, start_server, wait_for
 
@@ -146,7 +146,7 @@ def test_a_slow_codec_holds_sessions_back_at_max_undecoded_frames(tiny_orpheus: 
     })
 
     async def scenario() -> dict:
-        service = TTSService.from_config(config)
+        service = build_service(config)
         await service.start(warmup=False)
         try:
             async def one(i: int) -> int:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.client.records import summarize
 from orpheus_serve.proto import orpheus_pb2 as pb

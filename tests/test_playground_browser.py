@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from orpheus_serve.api.gateway import voice_list
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.browser_support import ARTIFACTS, CHROMIUM_ARGS, ROOT, Tab, chromium_path, open_tab, sync_playwright

@@ -13,6 +13,7 @@ from orpheus_serve import token_format
 from orpheus_serve.config import Config, load_config
 from orpheus_serve.request.errors import QueueFullError
 from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.build import build_service
 from orpheus_serve.service.service import TTSService
 
 
@@ -52,7 +53,7 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
     async def scenario() -> None:
         # admission by slots alone: all 16 in the engine's batches at once (real-time admission would hold
         # this CPU's SNAC to two streams), which is what this test is about.
-        service = TTSService.from_config(make_config(tiny_models, **{"scheduler.admission": "slots"}),
+        service = build_service(make_config(tiny_models, **{"scheduler.admission": "slots"}),
                                          record_tokens=True)
         await service.start(warmup=False)
         try:
@@ -92,7 +93,7 @@ def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: 
     assert 200 < len(text) <= 250
 
     async def scenario() -> tuple[bytes, SynthesisMetrics, list[list[list[int]]]]:
-        service = TTSService.from_config(make_config(tiny_models), record_tokens=True)
+        service = build_service(make_config(tiny_models), record_tokens=True)
         await service.start(warmup=False)
         try:
             req = SynthesisRequest(text=text, temperature=0.0, max_tokens=70, request_id="content")
@@ -120,7 +121,7 @@ def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: 
 
 def test_cancel_mid_stream_frees_the_slot(tiny_models: Path) -> None:
     async def scenario() -> None:
-        service = TTSService.from_config(make_config(tiny_models))
+        service = build_service(make_config(tiny_models))
         await service.start(warmup=False)
         try:
             gen = service.synthesize(greedy("A long sentence that keeps going for a while.", "cancel-me", 700))
@@ -165,7 +166,7 @@ def test_queue_bound_refuses_at_once_past_what_can_be_admitted(tiny_models: Path
     )
 
     async def scenario() -> None:
-        service = TTSService.from_config(cfg)
+        service = build_service(cfg)
         await service.start(warmup=False)
         try:
             gens = [service.synthesize(greedy(f"Request {i}.", f"q-{i}")) for i in range(accepted + 1)]

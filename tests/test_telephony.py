@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.audio.encoding import (
     CONTENT_TYPES,
     TELEPHONY_FORMATS,

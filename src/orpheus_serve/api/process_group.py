@@ -59,8 +59,12 @@ from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
 from ..config import Config
+from ..core.build import resolve_models
 from ..core.mp_client import CRASH_LOOP_RESTARTS, CRASH_LOOP_S, MPClient
-from ..core.process import CoreAddresses, CoreInfo
+from ..core.wire import CoreAddresses, CoreInfo
+from ..service.build import load_tokenizer
+from ..service.service import TTSService
+from .server import OrpheusServer
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +224,6 @@ def run_api_process(config_data: dict[str, Any], index: int, addresses: CoreAddr
 
 
 async def _serve(config: Config, index: int, addresses: CoreAddresses, info: CoreInfo, conn: Connection) -> int:
-    from ..service.build import load_tokenizer, resolve_models
-    from ..service.service import TTSService
-    from .server import OrpheusServer
-
     resolved = resolve_models(config)
     config = resolved.config
     tokenizer = load_tokenizer(resolved.tokenizer_path)
@@ -231,6 +231,7 @@ async def _serve(config: Config, index: int, addresses: CoreAddresses, info: Cor
     service = TTSService(config, client=client, tokenizer=tokenizer, model_info=resolved.info,
                          max_seq_len=info.max_seq_len)
     server = OrpheusServer(config, service, api_index=index)
+    server.share_counters(client)
     loop = asyncio.get_running_loop()
 
     def on_message() -> None:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..scheduler.step import EngineError
-    from .server import run_server
+    from .launch import run_server
 
     try:
         return run_server(config)

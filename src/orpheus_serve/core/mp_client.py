@@ -71,7 +71,8 @@ from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from . import wire
 from .client import EngineCoreStats, SessionDone, SessionOutput
-from .process import CALL_SHUTDOWN, CoreAddresses, CoreInfo, run_engine_core
+from .process import run_engine_core
+from .wire import CALL_SHUTDOWN, CoreAddresses, CoreInfo
 
 log = logging.getLogger(__name__)
 
@@ -572,11 +573,11 @@ class MPClient:
         while True:
             batch = wire.unpack(await self._pull.recv())
             for entry in batch:
-                session_id, item = wire.decode_output(entry)
-                if not session_id:  # the core declared its engine dead
-                    assert isinstance(item, SessionDone)
-                    self._engine_failure = item.error or "the engine failed"
+                decoded = wire.decode_output(entry)
+                if isinstance(decoded, wire.EngineDead):
+                    self._engine_failure = decoded.error
                     continue
+                session_id, item = decoded
                 mailbox = self._mailboxes.get(session_id)
                 if mailbox is not None:  # None: released; the client has gone
                     mailbox.put_nowait(item)

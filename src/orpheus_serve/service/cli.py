@@ -22,6 +22,7 @@ from .. import token_format
 from ..config import ConfigError, load_config
 from ..request.errors import SynthesisError
 from ..request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from .build import build_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,10 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def synthesize_to_file(args: argparse.Namespace) -> SynthesisMetrics:
-    from .service import TTSService
 
     config = load_config(args.config, profile=args.profile, overrides=args.set)
-    service = TTSService.from_config(config, record_tokens=args.tokens_out is not None)
+    service = build_service(config, record_tokens=args.tokens_out is not None)
     await service.start(warmup=False)
     request = SynthesisRequest(
         text=args.text,

@@ -69,7 +69,7 @@ from ..scheduler.step import SEED_MAX
 from .word_timings import AudioEnvelope, estimate_word_timings
 
 if TYPE_CHECKING:
-    from .build import TokenLog
+    from .token_log import TokenLog
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +106,6 @@ class TTSService:
         self.ready = False
         self.accepting = False
         self._lag_watch: asyncio.Task[None] | None = None
-
-    @classmethod
-    def from_config(cls, config: Config, *, record_tokens: bool = False) -> TTSService:
-        """Build tokenizer, engine and codec from config (service.build.build_service)."""
-        from .build import build_service
-
-        return build_service(config, record_tokens=record_tokens)
 
     # --------------------------------------------------------------- lifecycle
 
