@@ -1,4 +1,4 @@
-"""Flow control end to end (DESIGN §5a): departed clients cost nothing, codec passes are bounded,
+"""Flow control end to end (ARCHITECTURE §5a): departed clients cost nothing, codec passes are bounded,
 sessions are held back by their codec backlog, and a storm of clients that leave early does not
 wedge the server for the next one."""
 

@@ -1,4 +1,4 @@
-"""Flow control in the scheduler, on CPU with hand-built outputs and a fake clock (DESIGN §5a):
+"""Flow control in the scheduler, on CPU with hand-built outputs and a fake clock (ARCHITECTURE §5a):
 the capacity measure, capacity-aware admission, backpressure from codec and client, first push
 sizing. No threads, no model."""
 

@@ -1,5 +1,5 @@
 """Soak: many requests over REST, WebSocket, gRPC and Riva, some cancelled and some dropped mid-stream, then
-nothing may be left behind (DESIGN §5a: departed clients cost nothing).
+nothing may be left behind (ARCHITECTURE §5a: departed clients cost nothing).
 
 A real server subprocess (so its RSS is its own) with the sim engine and a fast sim cost model: short
 utterances at GPU-like pacing, so hundreds of requests fit in a CI minute on two cores. Every request

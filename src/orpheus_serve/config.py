@@ -45,7 +45,7 @@ class SchedulerConfig(_Strict):
     policy: Literal["fair", "deadline"] = "fair"
     deadline_yield_s: float = Field(1.0, ge=0)
     deadline_stalled_max_wait_s: float = Field(5.0, ge=0)
-    # Flow control (DESIGN §5a): what a session may run ahead of its codec and its client.
+    # Flow control (ARCHITECTURE §5a): what a session may run ahead of its codec and its client.
     max_undecoded_frames: int = Field(12, ge=2, le=4096)  # generated, not yet decoded: past it, no decode steps
     max_client_buffer_s: float = Field(3.0, gt=0)  # audio the client holds unplayed: past it, the session waits
     max_server_buffer_s: float = Field(2.0, gt=0)  # decoded audio not yet taken by the client's socket
@@ -189,7 +189,7 @@ class ServerConfig(_Strict):
 
 
 class StreamInputConfig(_Strict):
-    """Incremental text (contexts, DESIGN §5b): when text that arrives in pieces becomes a generation chunk."""
+    """Incremental text (contexts, ARCHITECTURE §5b): when text that arrives in pieces becomes a generation chunk."""
 
     # A clause boundary (, ; : or a dash) cuts a chunk once this much text precedes it; a sentence end always does.
     min_chunk_chars: int = Field(24, ge=1, le=200)

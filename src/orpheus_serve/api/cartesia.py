@@ -3,7 +3,7 @@
 The agent frameworks (LiveKit Agents' Cartesia plugin, Pipecat's
 `CartesiaTTSService`, the `cartesia` SDK) speak this protocol; pointing their
 base URL here is all they need. Each context on a socket is one incremental-
-text request (DESIGN §5b): its `TextStream` takes the transcripts as they come
+text request (ARCHITECTURE §5b): its `TextStream` takes the transcripts as they come
 and its audio streams back as the text is cut into chunks. Many contexts run
 on one socket at once.
 

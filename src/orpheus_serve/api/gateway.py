@@ -197,7 +197,7 @@ class Gateway:
 
     def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
         """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
-        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (DESIGN §5a);
+        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (ARCHITECTURE §5a);
         it clears by itself."""
         if self.shutting_down:
             return "shutting_down"

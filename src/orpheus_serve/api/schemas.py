@@ -250,7 +250,7 @@ class GatewayStats(_Snapshot):
 
 
 class StatsBody(_Snapshot):
-    """GET /v1/stats: the scheduler, KV-cache and throughput snapshot (DESIGN §7)."""
+    """GET /v1/stats: the scheduler, KV-cache and throughput snapshot (ARCHITECTURE §7)."""
 
     scheduler: SchedulerStats
     kv_cache: KvCacheStats

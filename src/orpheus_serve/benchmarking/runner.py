@@ -1,4 +1,4 @@
-"""Benchmark modes, run from the client side against real servers (DESIGN §8).
+"""Benchmark modes, run from the client side against real servers (ARCHITECTURE §8).
 
     single    one request at a time: TTFB and RTF with nothing else running
     scaling   concurrency 1 -> N (closed loop); the largest concurrency whose p95

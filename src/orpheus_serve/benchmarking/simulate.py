@@ -9,7 +9,7 @@ client `codec_latency_s` later; the codec holds back its lookahead frames
 until the final push, as the real streaming decoder does. Each client starts
 playback at its first audio and plays continuously; whenever the next audio
 arrives after the buffer ran dry it has an underrun (it stalls, then resumes).
-A stream with no underrun is real-time (DESIGN §8).
+A stream with no underrun is real-time (ARCHITECTURE §8).
 """
 
 from __future__ import annotations

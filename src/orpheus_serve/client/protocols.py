@@ -2,7 +2,7 @@
 
 Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
 the audio bytes, the arrival time and size of every audio message (from which
-TTFB, underruns and RTF follow, DESIGN §8), the server's final metrics where
+TTFB, underruns and RTF follow, ARCHITECTURE §8), the server's final metrics where
 the protocol carries them, and a status: `ok`, `rejected` (the server is
 full, not ready or shutting down: retry later) or `error` (with a message
 saying what went wrong, including "cannot connect"). They never raise for

@@ -3,7 +3,7 @@
 Architecture
 ------------
 SNAC's decoder is non-causal: a frame's audio depends on about 3 frames on
-each side (DESIGN §4). A windowed decoder therefore holds a frame back until
+each side (ARCHITECTURE §4). A windowed decoder therefore holds a frame back until
 `lookahead_frames` (R) frames follow it, then decodes a window
 
     [ L left-context frames | the new frames | R lookahead frames ]

@@ -18,7 +18,7 @@ arrive while the worker is busy are coalesced (frames concatenated in order,
 `final` OR-ed), so a slow pass makes the next one a bigger batch instead of
 many small decodes.
 
-Passes are bounded (DESIGN §5a): a pass decodes at most `max_frames_per_pass`
+Passes are bounded (ARCHITECTURE §5a): a pass decodes at most `max_frames_per_pass`
 frames in all, and fewer when the measured cost per frame says the pass would
 take longer than `max_pass_s` (a CPU codec at ~20 ms a frame: a 64-frame pass
 would keep every client waiting for a second); each session contributes at

@@ -1,5 +1,5 @@
 """On-device sampling for a batch of slots: repetition penalty, temperature, top-k, top-p, a
-per-session seed, greedy at temperature 0, and the frame-position constraint of DESIGN §3.
+per-session seed, greedy at temperature 0, and the frame-position constraint of ARCHITECTURE §3.
 
 Reproducibility whatever shares the batch: the randomness is counter-based. The noise for
 token id `v` of a session is a hash of (seed, step, v), turned into a Gumbel variable, and the

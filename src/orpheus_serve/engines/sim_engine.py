@@ -1,4 +1,4 @@
-"""A TokenEngine with no model: valid Orpheus audio token streams and a cost model for time (DESIGN §6).
+"""A TokenEngine with no model: valid Orpheus audio token streams and a cost model for time (ARCHITECTURE §6).
 
 It lets the scheduler, the service and the gateways run at GPU-scale
 concurrency on a CPU. It does what a slot-batched engine does with a plan

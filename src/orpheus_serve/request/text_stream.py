@@ -1,4 +1,4 @@
-"""Incremental text: one context's text arriving in pieces, cut into generation chunks (DESIGN §5b).
+"""Incremental text: one context's text arriving in pieces, cut into generation chunks (ARCHITECTURE §5b).
 
 A voice agent's LLM writes its reply token by token. `TextStream` takes those
 pieces as they come (`push`), and the service takes generation chunks from it

@@ -57,7 +57,7 @@ class SynthesisRequest:
     seed: int | None = None
     constrained: bool | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # Incremental text (a context, DESIGN §5b): chunks are taken from here as they are cut; `text` is unused.
+    # Incremental text (a context, ARCHITECTURE §5b): chunks are taken from here as they are cut; `text` is unused.
     text_input: TextSource | None = None
     timestamps: bool = False  # also yield ChunkTimings with estimated word times for every chunk
 

@@ -1,4 +1,4 @@
-"""A running measure of what the pipeline sustains, for admission and first-chunk sizing (DESIGN §5a).
+"""A running measure of what the pipeline sustains, for admission and first-chunk sizing (ARCHITECTURE §5a).
 
 Two cost models are fitted online from what the engine core and the codec
 worker observe, by exponentially weighted least squares (old observations fade

@@ -1,4 +1,4 @@
-"""Flow control decisions (DESIGN §5a): who is held back, who may be admitted, how big a first push is.
+"""Flow control decisions (ARCHITECTURE §5a): who is held back, who may be admitted, how big a first push is.
 
 Playback time is the unit. Each session knows where its audio is (`session.py`:
 generated -> pushed -> decoded -> delivered -> played); this module turns that

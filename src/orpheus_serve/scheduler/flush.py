@@ -1,4 +1,4 @@
-"""When parsed frames leave for the codec (DESIGN §5, flush policy).
+"""When parsed frames leave for the codec (ARCHITECTURE §5, flush policy).
 
 The codec needs `lookahead_frames` frames after a frame before that frame's
 audio is final. So the first push waits for `flush_first_n_tokens` audio

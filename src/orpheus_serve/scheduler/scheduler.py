@@ -1,6 +1,6 @@
 """The session scheduler: sessions ⇄ KV-cache slots, one plan per engine step.
 
-Architecture (DESIGN §1, §5), in the style of vLLM v1's scheduler / engine-core split:
+Architecture (ARCHITECTURE §1, §5), in the style of vLLM v1's scheduler / engine-core split:
 
     engine core thread:  plan = scheduler.schedule()      # pure: which slots do what
                          out = engine.step(plan)          # the only model work
@@ -27,7 +27,7 @@ its arrival) or holding one longer than `session_timeout_s` (from its
 admission) ends with "timeout". `submit()` refuses at once (SchedulerFullError,
 with a retry hint) when every slot is taken and `max_queue` requests wait.
 
-Flow control (DESIGN §5a, `flow.py`): decoding sessions too far ahead of
+Flow control (ARCHITECTURE §5a, `flow.py`): decoding sessions too far ahead of
 their codec or their client are left out of the step (they keep their slots);
 new sessions are admitted only under the measured capacity (`admission:
 queue` waits, `reject` refuses at submit, `slots` admits by free slots); the

@@ -6,7 +6,7 @@
                                                  finished (stop | length) | failed
 
 A session owns a KV-cache slot from its first prefill chunk until it leaves
-the live states. It also keeps its place in the pipeline (DESIGN §5a), in
+the live states. It also keeps its place in the pipeline (ARCHITECTURE §5a), in
 frames and samples:
 
     generated ─▶ pushed to the codec ─▶ decoded ─▶ delivered to the client ─▶ played

@@ -15,14 +15,14 @@ Leaving the iterator early (client gone, `aclose`) cancels the live session:
 the scheduler frees its slot at the next step and the codec drops its state.
 The asyncio loop never runs model code.
 
-Flow control (DESIGN §5a) closes the loop from the client back to the engine:
+Flow control (ARCHITECTURE §5a) closes the loop from the client back to the engine:
 every chunk the consumer takes from `synthesize` is reported as delivered
 (the gateway consumes only as fast as the client's socket takes bytes), and
 the scheduler holds back sessions that run too far ahead of their client.
 
 The service also measures how late its own event loop runs (`_watch_loop_lag`)
 and tells the engine core: a gateway too busy to hand audio out in time closes
-admission however fast the engine is (DESIGN §5a's "admit what can stay
+admission however fast the engine is (ARCHITECTURE §5a's "admit what can stay
 real-time" includes the gateway).
 
 The service counts nothing itself: observers (the request tally behind
@@ -328,7 +328,7 @@ class TTSService:
         run.submitted += 1
         session_id = f"{req.request_id}-{k}"
         now = time.monotonic()
-        # Audio the client still has to play when this chunk starts: its deadline (DESIGN §5). A client whose
+        # Audio the client still has to play when this chunk starts: its deadline (ARCHITECTURE §5). A client whose
         # audio ran out while the text was still coming is waiting now, like one waiting for its first audio.
         audio_before = run.samples / token_format.SAMPLE_RATE
         played_from = run.first_audio_at if run.first_audio_at is not None else now
