@@ -168,3 +168,14 @@ def test_without_pyav_pcm_and_wav_still_stream_and_the_rest_is_refused_clearly()
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(root / "src"), "PATH": ""})
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_pcm_conversion_clips_rounds_and_reads_back() -> None:
+    from orpheus_serve.audio.pcm import float_to_pcm16, pcm16_to_float
+
+    samples = np.array([-2.0, -1.0, -0.25, 0.0, 0.25, 1.0, 3.0], dtype=np.float32)
+    pcm = float_to_pcm16(samples)
+    # struct, not numpy: little-endian int16, clipped to [-1, 1] and scaled by 32767 (0.25 * 32767 = 8191.75)
+    assert struct.unpack("<7h", pcm) == (-32767, -32767, -8192, 0, 8192, 32767, 32767)
+    back = pcm16_to_float(struct.pack("<3h", -32768, 16384, 32767))
+    assert back.dtype == np.dtype("<f4") and back.tolist() == [-1.0, 0.5, 32767 / 32768]

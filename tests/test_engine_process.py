@@ -27,7 +27,7 @@ from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.config import ConfigError, load_config
 from orpheus_serve.core import wire
-from orpheus_serve.core.client import SessionDone
+from orpheus_serve.core.client import Outcome, SessionDone
 from orpheus_serve.core.process import EngineCoreProc
 from orpheus_serve.core.wire import CALL_SHUTDOWN, CoreAddresses
 from orpheus_serve.engines.sim_engine import SimEngine
@@ -48,7 +48,7 @@ def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
                              arrival_s=12.5, playback_start_s=11.0, audio_before_s=1.25)
     assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))) == request
     pcm = bytes(range(256)) * 8
-    done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
+    done = SessionDone(Outcome.ERROR, tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
     for item in (pcm, done):
         assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
 
@@ -135,7 +135,7 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
         seen: dict[str, SessionDone] = {}
         while not engine_dead or "a" not in seen:
             seen.update((session, item) for session, item in next_outputs() if isinstance(item, SessionDone))
-        assert seen["a"].reason == "error" and "code 134" in (seen["a"].error or "")
+        assert seen["a"].outcome is Outcome.ERROR and "code 134" in (seen["a"].error or "")
         assert len(engine_dead) == 1 and "code 134" in engine_dead[0].error
         status, message, _ = call(wire.CALL_SUBMIT, 0, request("b"))
         assert status == wire.UNAVAILABLE and "code 134" in message

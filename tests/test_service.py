@@ -84,8 +84,8 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
 def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: Path) -> None:
     """Content, not just length: the PCM a client receives for a two-chunk text is, sample for sample, what
     decoding each chunk's generated frames in one offline call gives (SNAC noise off)."""
+    from orpheus_serve.audio.pcm import float_to_pcm16 as pcm16
     from orpheus_serve.codec import decode_offline, load_snac
-    from orpheus_serve.core.client import pcm16
 
     text = ("The first sentence of this text runs long enough to fill most of one chunk on its own, and then "
             "some more words follow it. The second sentence lands in a chunk of its own, which the service "

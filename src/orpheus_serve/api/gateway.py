@@ -370,6 +370,12 @@ class SpeechStream:
     def content_type(self) -> str:
         return CONTENT_TYPES[self.output.format]
 
+    async def cancel_when_stalled(self, cancel: Callable[[], object]) -> None:
+        """Call `cancel` once the client is reported stalled (ARCHITECTURE §5a). Every adapter runs this
+        beside the task that writes the stream, with that task's (or its scope's) cancel."""
+        await self.stalled.wait()
+        cancel()
+
     async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an encoder call off the loop unless it is a plain copy. Calls of one stream never overlap."""
         if self.output.passthrough:

@@ -220,12 +220,7 @@ class SpeechResponse(StreamingResponse):
         error: BaseException | None = None
         try:
             async with anyio.create_task_group() as group:
-
-                async def drop_when_stalled() -> None:
-                    await self.stream.stalled.wait()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(drop_when_stalled)
+                group.start_soon(self.stream.cancel_when_stalled, group.cancel_scope.cancel)
                 await super().__call__(scope, receive, send)
                 group.cancel_scope.cancel()
         except BaseException as exc:

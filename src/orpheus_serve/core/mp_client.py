@@ -28,7 +28,7 @@ builds the engine and decoder and reports ready, or why it failed. The loop
 watches the process's sentinel. A core that leaves a call unanswered for
 `server.core_call_timeout_s` is stuck (its input thread answers whatever the
 engine is doing) and is killed. If the core dies, every open stream ends with
-`SessionDone(reason="unavailable")` (the service raises EngineUnavailableError:
+`SessionDone(Outcome.UNAVAILABLE)` (the service raises EngineUnavailableError:
 503 / UNAVAILABLE), `engine_alive` turns False (/ready: 503), and the core is
 started again (`server.restart_core`), warmed with the first session this
 client ran, and `engine_alive` turns True again; without restart, `fatal` is
@@ -70,7 +70,7 @@ from ..config import Config
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from . import wire
-from .client import EngineCoreStats, SessionDone, SessionOutput
+from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
 from .process import run_engine_core
 from .wire import CALL_SHUTDOWN, CoreAddresses, CoreInfo
 
@@ -616,7 +616,7 @@ class MPClient:
         self._core_failure = reason
         self._fail_replies(reason)
         for mailbox in self._mailboxes.values():
-            mailbox.put_nowait(SessionDone(reason="unavailable", error=reason))
+            mailbox.put_nowait(SessionDone(Outcome.UNAVAILABLE, error=reason))
         self._delivered, self._cancels, self._releases = {}, [], []
         if not self._owner:
             return  # API process 0 restarts the core, and says when it is back (core_up)
@@ -681,9 +681,9 @@ class MPClient:
             item = await mailbox.get()
             if isinstance(item, bytes):
                 self.note_delivered(session_id, len(item) // 2)
-            elif item.error is not None or item.reason in ("error", "timeout", "cancelled", "unavailable"):
-                raise CoreStartError(f"the restarted engine core failed its warm-up: {item.error or item.reason}")
-            elif item.reason == "audio":
+            elif item.error is not None or item.outcome.failed:
+                raise CoreStartError(f"the restarted engine core failed its warm-up: {item.error or item.outcome.value}")
+            elif item.outcome is Outcome.AUDIO:
                 audio_out = True
             else:
                 generated = True

@@ -18,7 +18,7 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
 
 engine core -> API process `api` (a PUSH per API process -> its PULL):
 
-    [[session_id, PCM bytes] | [session_id, reason, tokens, frames, queue_s, error] | [ENGINE_DEAD, error], ...]
+    [[session_id, PCM bytes] | [session_id, outcome, tokens, frames, queue_s, error] | [ENGINE_DEAD, error], ...]
                                            a batch of outputs; ENGINE_DEAD (once, to every API process): the
                                            engine died, whoever's sessions failed
 """
@@ -33,7 +33,7 @@ import msgpack
 from ..engines.base import MemoryReport
 from ..scheduler import FlowStats, SchedulerStats, SessionRequest
 from ..scheduler.step import SamplingParams
-from .client import EngineCoreStats, SessionDone, SessionOutput
+from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
 
 CALL_SUBMIT = 1
 CALL_STATS = 2
@@ -103,7 +103,7 @@ def decode_request(fields_: list[Any]) -> SessionRequest:
 def encode_output(session_id: str, item: SessionOutput) -> list[Any]:
     if isinstance(item, bytes):
         return [session_id, item]
-    return [session_id, item.reason, item.tokens, item.frames, item.queue_s, item.error]
+    return [session_id, item.outcome.value, item.tokens, item.frames, item.queue_s, item.error]
 
 
 def encode_engine_dead(error: str | None) -> list[Any]:
@@ -115,8 +115,8 @@ def decode_output(entry: list[Any]) -> tuple[str, SessionOutput] | EngineDead:
         return EngineDead(entry[1] or "the engine failed")
     if len(entry) == 2:
         return entry[0], entry[1]
-    session_id, reason, tokens, frames, queue_s, error = entry
-    return session_id, SessionDone(reason=reason, tokens=tokens, frames=frames, queue_s=queue_s, error=error)
+    session_id, outcome, tokens, frames, queue_s, error = entry
+    return session_id, SessionDone(Outcome(outcome), tokens=tokens, frames=frames, queue_s=queue_s, error=error)
 
 
 def encode_stats(stats: EngineCoreStats) -> list[Any]:

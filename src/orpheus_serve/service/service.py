@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import token_format
 from ..config import Config
-from ..core.client import EngineCoreClient, SessionDone, SessionOutput
+from ..core.client import EngineCoreClient, Outcome, SessionDone, SessionOutput
 from ..metrics.stats import RequestOutcome, RequestTally, ServiceSnapshot, saturation, service_stats
 from ..request.errors import (
     EngineFailureError,
@@ -254,10 +254,10 @@ class TTSService:
                             yield chunk
                             continue
                         # a SessionDone: generation finished, the codec's last audio is out, or the stream failed
-                        if item.error is not None or item.reason in ("error", "timeout", "cancelled", "unavailable"):
-                            metrics.finish_reason = "error" if item.error is not None else item.reason
+                        if item.error is not None or item.outcome.failed:
+                            metrics.finish_reason = "error" if item.error is not None else item.outcome.value
                             self._raise_for(item)
-                        if item.reason == "audio":
+                        if item.outcome is Outcome.AUDIO:
                             audio_out = True
                             continue
                         generated = True
@@ -265,7 +265,7 @@ class TTSService:
                         metrics.frames += item.frames
                         if k == 0:
                             metrics.queue_s = item.queue_s
-                        if item.reason == "length":
+                        if item.outcome is Outcome.LENGTH:
                             metrics.finish_reason = "length"
                         if following is None:
                             # Generation of this chunk is done; admit the next now, while this audio still plays.
@@ -352,11 +352,11 @@ class TTSService:
 
     @staticmethod
     def _raise_for(done: SessionDone) -> None:
-        if done.reason == "timeout":
+        if done.outcome is Outcome.TIMEOUT:
             raise SynthesisTimeoutError("the request timed out (waiting for a slot or generating)")
-        if done.reason == "cancelled":
+        if done.outcome is Outcome.CANCELLED:
             raise ServiceUnavailableError("the request was cancelled by the server (shutting down)")
-        if done.reason == "unavailable":  # the engine-core process died under the stream
+        if done.outcome is Outcome.UNAVAILABLE:  # the engine-core process died under the stream
             raise EngineUnavailableError(done.error or "the engine core is unavailable")
         raise EngineFailureError(done.error or "generation failed")
 

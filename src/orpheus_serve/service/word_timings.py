@@ -23,6 +23,7 @@ import re
 
 import numpy as np
 
+from ..audio.pcm import pcm16_to_float
 from ..request.types import WordTiming
 from ..token_format import SAMPLE_RATE
 
@@ -44,7 +45,7 @@ class AudioEnvelope:
         self.samples = 0
 
     def add(self, pcm16: bytes) -> None:
-        samples = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        samples = pcm16_to_float(pcm16)
         self.samples += samples.size
         samples = np.concatenate((self._carry, samples)) if self._carry.size else samples
         whole = samples.size // BLOCK_SAMPLES * BLOCK_SAMPLES
