@@ -35,7 +35,6 @@ import uvicorn
 
 from ..config import Config
 from ..metrics.stats import api_process_figures
-from .cartesia import add_cartesia_route
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
 from .http import create_app
@@ -114,7 +113,6 @@ class OrpheusServer:
         self._api_group = peers
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
-        add_cartesia_route(self.app, self.gateway)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._uvicorn: _UvicornServer | None = None
