@@ -424,3 +424,14 @@ def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
     with pytest.raises(CoreStartError, match=r"(?s)failed to start.*Traceback"):
         build_service(config)
     assert time.monotonic() - started < 120
+
+
+def test_the_crash_loop_guard_counts_deaths_within_its_window_only() -> None:
+    from orpheus_serve.core.crash_loop import CrashLoopGuard
+
+    now = [0.0]
+    guard = CrashLoopGuard(restarts=3, window_s=300.0, clock=lambda: now[0])
+    assert [guard.died() for _ in range(3)] == [True, True, True]
+    assert guard.died() is False and guard.recent_deaths == 4  # a fourth death within 300 s: no restart
+    now[0] = 301.0  # the first four are out of the window
+    assert guard.died() is True and guard.recent_deaths == 1

@@ -6,7 +6,9 @@
     output handler task ◀── PULL ─── one msgpack batch of outputs per wake-up ─── PUSH
         └─▶ per-session asyncio.Queue (what `outputs()` returns, as in-process)
 
-Messages are msgpack (core/wire.py): ids, numbers and PCM bytes, nothing pickled.
+Messages are msgpack (core/wire.py): ids, numbers and PCM bytes, nothing pickled. The sockets and
+calls are transport.py's, the core process's start, watch and stop supervisor.py's, and the crash-loop
+guard crash_loop.py's; this module is the client protocol over them, restarts and the counter relay.
 
 Admission is answered before `submit()` returns, as in-process: it sends the
 request and awaits the core's answer (admitted, or the scheduler's own
@@ -49,9 +51,7 @@ them with each stats answer (`api_figures`), so each /v1/stats can sum them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import multiprocessing
 import os
 import select
 import shutil
@@ -59,34 +59,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from ..config import Config
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from . import wire
 from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
-from .process import run_engine_core
+from .supervisor import JOIN_S, CoreStartError, CoreSupervisor
+from .transport import CoreTransport
 from .wire import CALL_SHUTDOWN, CoreAddresses, CoreInfo
 
 log = logging.getLogger(__name__)
 
-_JOIN_S = 10.0  # the core's own shutdown (engine close, codec stop) before it is terminated
 _WARMUP_S = 120.0  # a restarted core's warm-up session
-# A core (or an API process, api/process_group.py) that dies more than this many times within CRASH_LOOP_S is
-# not started again (the server stops): something outside it is wrong, and each restart fails streams again.
-CRASH_LOOP_RESTARTS = 3
-CRASH_LOOP_S = 300.0
 _FIGURES_S = 0.25  # how often an API process's counters may go to the core (when they changed)
-
-
-class CoreStartError(RuntimeError):
-    """The engine-core process failed to build its engine (its traceback is in the message)."""
 
 
 class MPClient:
@@ -106,25 +94,14 @@ class MPClient:
                 input=f"ipc://{self._dir}/input",
                 outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
         self._addresses = addresses
-        self._ctx = zmq.Context()
-        self._actx = zmq.asyncio.Context()
-        self._calls: zmq.Socket | None = None
-        self._pull: zmq.asyncio.Socket | None = None
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._supervisor = CoreSupervisor(config, addresses) if self._owner else None
+        self._transport = CoreTransport(addresses, api_index, self._timeout_s, core_running=self._core_running,
+                                        on_silence=self._on_silence)
         self.info: CoreInfo | None = None
-        self._seq = 0
-        self._replies: dict[int, asyncio.Future[list[Any]]] = {}  # calls awaiting the core's answer, by seq
-        self._calls_fd: int | None = None  # the call socket's descriptor, watched by the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
         self._mailboxes: dict[str, asyncio.Queue[SessionOutput]] = {}
-        # Notes for the core, sent once per loop pass: delivered samples (summed per session), cancels, releases.
-        self._delivered: dict[str, int] = {}
-        self._cancels: list[str] = []
-        self._releases: list[str] = []
-        self._flush_scheduled = False
-        self._alive = False  # the process runs and answers (the transport is up)
         self._serving = False  # and it takes sessions: up, and warmed up after a restart
         self._core_failure: str | None = None  # why the process is gone
         self._engine_failure: str | None = None  # the core declared its engine dead
@@ -132,7 +109,6 @@ class MPClient:
         self._warmup: SessionRequest | None = None
         self._stopping = False
         self.restarts = 0
-        self._deaths: list[float] = []  # monotonic times the core died, within CRASH_LOOP_S
         # Set when the core died and will not be started again: the server exits non-zero.
         self.fatal = asyncio.Event()
         # API process 0 tells the others: ("down", reason) when the core died, ("up", CoreInfo) once restarted.
@@ -151,14 +127,11 @@ class MPClient:
     def attach(cls, config: Config, addresses: CoreAddresses, info: CoreInfo, *, api_index: int) -> MPClient:
         """A client of API process `api_index` > 0 for the running core of API process 0."""
         client = cls(config, api_index=api_index, addresses=addresses)
-        client._pull = client._actx.socket(zmq.PULL)
-        client._pull.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
-        client._pull.setsockopt(zmq.LINGER, 0)
-        client._pull.bind(addresses.outputs[api_index])
+        client._transport.bind_outputs()
         client.info = info
         client._follow(info.pid)
-        client._open_calls()
-        client._alive = client._serving = True
+        client._transport.open_calls()
+        client._transport.up = client._serving = True
         try:
             client._last_stats = client._stats_call()
         except BaseException:
@@ -175,103 +148,34 @@ class MPClient:
     def launch(self) -> CoreInfo:
         """Start the engine-core process and wait until its engine is built (blocking, like building
         the engine in-process). CoreStartError if it fails."""
-        self._pull = self._actx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self._addresses.outputs[self._api])
+        assert self._supervisor is not None, "launch() is API process 0's; the others attach()"
+        self._transport.bind_outputs()
         try:
-            self.info = self._spawn()
+            self.info = self._supervisor.spawn(lambda: self._stopping)
         except BaseException:
             self._close_transport()
             raise
-        self._open_calls()
-        self._alive = self._serving = True
+        self._transport.open_calls()
+        self._transport.up = self._serving = True
         self._last_stats = self._stats_call()
         return self.info
 
-    def _spawn(self) -> CoreInfo:
-        ctx = multiprocessing.get_context("spawn")
-        receiver, sender = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=run_engine_core, name="orpheus-engine-core", daemon=True,
-                              args=(self._config.model_dump(mode="json"), self._addresses, sender))
-        process.start()
-        sender.close()
-        try:
-            wait_for_any([receiver, process.sentinel])  # the engine build has no bound of its own
-            if not receiver.poll():
-                process.join()
-                raise CoreStartError(f"the engine-core process exited with code {process.exitcode} before it was ready")
-            try:
-                status, payload = receiver.recv()
-            except EOFError:
-                process.join()
-                raise CoreStartError(f"the engine-core process exited with code {process.exitcode} before it was ready") from None
-        finally:
-            receiver.close()
-        if status != "ready":
-            process.join(_JOIN_S)
-            raise CoreStartError(f"the engine core failed to start:\n{payload}")
-        if self._stopping:  # a restart that finished after shutdown() began: this core is not wanted
-            process.kill()
-            process.join()
-            raise CoreStartError("the server stopped while the engine core was starting")
-        self._process = process
-        log.info("engine core running in process %d (%d slots, max_seq_len %d)", payload.pid, payload.num_slots,
-                 payload.max_seq_len)
-        return payload
-
-    def _open_calls(self) -> None:
-        if self._calls is not None:
-            self._unwatch_calls()
-            self._calls.close(0)
-            self._fail_replies("the engine core was started again before it answered")
-        self._calls = self._ctx.socket(zmq.DEALER)
-        self._calls.setsockopt(zmq.SNDHWM, wire.SOCKET_HWM)
-        self._calls.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
-        self._calls.setsockopt(zmq.LINGER, 0)
-        self._calls.connect(self._addresses.input)
-        self._watch_calls()
-
-    def _watch_calls(self) -> None:
-        if self._loop is not None and self._calls is not None and self._calls_fd is None:
-            self._calls_fd = self._calls.getsockopt(zmq.FD)
-            self._loop.add_reader(self._calls_fd, self._take_replies)
-
-    def _unwatch_calls(self) -> None:
-        if self._calls_fd is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._calls_fd)
-        self._calls_fd = None
-
-    def _take_replies(self) -> None:
-        """Every answer waiting on the call socket, to its future. (ZeroMQ's descriptor signals edges, not
-        levels: this reads until nothing is left, and each call looks again before it waits.)"""
-        calls = self._calls
-        while calls is not None and not calls.closed and calls.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._resolve(wire.unpack(calls.recv(zmq.NOBLOCK)))
-
-    def _resolve(self, reply: list[Any]) -> None:
-        future = self._replies.get(reply[0])
-        if future is not None and not future.done():
-            future.set_result(reply[1:])
-        # else: the late answer to a call that timed out, or that its caller gave up on
-
-    def _fail_replies(self, reason: str) -> None:
-        for future in self._replies.values():
-            if not future.done():
-                future.set_exception(ServiceUnavailableError(reason))
-
     @property
     def core_pid(self) -> int | None:
-        if self._process is not None:
-            return self._process.pid
+        if self._supervisor is not None and self._supervisor.process is not None:
+            return self._supervisor.process.pid
         return self.info.pid if self.info is not None else None
 
     def _core_running(self) -> bool:
-        if self._owner:
-            return self._process is not None and self._process.is_alive()
+        if self._supervisor is not None:
+            return self._supervisor.running
         if self._core_fd is not None and select.select([self._core_fd], [], [], 0)[0]:
             return False
-        return self._alive
+        return self._transport.up
+
+    def _on_silence(self, message: str) -> None:
+        if not self._stopping and self._supervisor is not None:
+            self._supervisor.kill_silent(message)  # its death then fails its streams and restarts it
 
     def _follow(self, pid: int) -> None:
         if self._core_fd is not None:
@@ -290,39 +194,35 @@ class MPClient:
         return self._serving and self._engine_failure is None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._owner and self._process is None:
+        if self._supervisor is not None and self._supervisor.process is None:
             raise RuntimeError("MPClient.start() before launch()")
         if self._loop is not None:
             return  # started already (an API process's server starts its service once)
         self._loop = loop
-        self._watch_calls()
+        self._transport.attach_loop(loop)
         self._reader = loop.create_task(self._read_outputs(), name="engine-core-outputs")
         self._reader.add_done_callback(self._reader_done)
         if self.figures_source is not None:
             self._figures_task = loop.create_task(self._send_figures(), name="api-figures")
-        if self._process is not None:
-            self._watch(self._process)
+        if self._supervisor is not None:
+            self._watch()
 
     async def _send_figures(self) -> None:
         """This API process's counters to the core, when they changed (at most every _FIGURES_S)."""
         assert self.figures_source is not None
         while True:
             figures = self.figures_source()
-            if figures != self._figures_sent and self._alive and self._calls is not None:
-                try:
-                    self._calls.send(wire.pack([wire.FIGURES, self._api, figures]), zmq.NOBLOCK)
-                    self._figures_sent = figures
-                except zmq.Again:
-                    pass  # the core's input queue is full; the next pass sends them
+            # A full input queue at the core keeps them for the next pass.
+            if figures != self._figures_sent and self._transport.open and self._transport.send_nowait(
+                    [wire.FIGURES, self._api, figures]):
+                self._figures_sent = figures
             await asyncio.sleep(_FIGURES_S)
 
     def api_gone(self, api_index: int) -> None:
         """Tell the core that API process `api_index` died (API process 0 supervises the others)."""
-        if self._calls is not None and self._alive:
-            self._flush_notes()
-            try:
-                self._calls.send(wire.pack([wire.API_GONE, api_index]), zmq.NOBLOCK)
-            except zmq.Again:
+        if self._transport.open:
+            self._transport.flush_notes()
+            if not self._transport.send_nowait([wire.API_GONE, api_index]):
                 log.error("the engine core's input queue is full; it was not told that API process %d is gone",
                           api_index)
 
@@ -334,16 +234,16 @@ class MPClient:
         """(An attached client) the core was started again and warmed up: serve again."""
         if self._stopping:
             return
-        self._open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
+        self._transport.open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
         self.info = info
         self._follow(info.pid)
         self.restarts += 1  # API process 0 counts the same restarts
         self._figures_sent = None  # the new core has none of them yet
         self._engine_failure = self._core_failure = None
-        self._alive = self._serving = True
+        self._transport.up = self._serving = True
         log.warning("the engine core is back (process %d)", info.pid)
 
-    def _tell(self, event: str, detail: Any) -> None:
+    def _tell_listeners(self, event: str, detail: Any) -> None:
         for listener in self.core_listeners:
             listener(event, detail)
 
@@ -353,42 +253,27 @@ class MPClient:
             self._restart_task.cancel()
         if self._figures_task is not None:
             self._figures_task.cancel()
-        if not self._owner:  # the core is API process 0's; it stops it once every API process has drained
-            self._flush_notes()
-            self._alive = self._serving = False
+        if self._supervisor is None:  # the core is API process 0's; it stops it once every API process has drained
+            self._transport.flush_notes()
+            self._transport.up = self._serving = False
             if self._reader is not None:
                 self._reader.cancel()
             self._close_transport()
             return
-        process = self._process
-        if process is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(process.sentinel)
-            if process.is_alive() and self._alive:
-                try:
-                    self._call(CALL_SHUTDOWN, timeout_s=_JOIN_S)
-                except ServiceUnavailableError as exc:
-                    log.error("the engine core did not take the stop request (%s); terminating it", exc)
-            process.join(_JOIN_S)
-            if process.is_alive():
-                log.error("the engine core did not stop within %.0f s; terminating it", _JOIN_S)
-                process.terminate()
-                process.join(2.0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        self._alive = self._serving = False
+        self._supervisor.stop(self._ask_core_to_stop if self._transport.up else None)
+        self._transport.up = self._serving = False
         if self._reader is not None:
             self._reader.cancel()
         self._close_transport()
 
+    def _ask_core_to_stop(self) -> None:
+        try:
+            self._transport.call(CALL_SHUTDOWN, timeout_s=JOIN_S)
+        except ServiceUnavailableError as exc:
+            log.error("the engine core did not take the stop request (%s); terminating it", exc)
+
     def _close_transport(self) -> None:
-        self._unwatch_calls()
-        for sock in (self._calls, self._pull):
-            if sock is not None:
-                sock.close(0)
-        self._ctx.term()
-        self._actx.term()
+        self._transport.close()
         if self._core_fd is not None:
             os.close(self._core_fd)
             self._core_fd = None
@@ -410,14 +295,14 @@ class MPClient:
         if fresh:
             self._mailboxes[session_id] = asyncio.Queue()
         try:
-            status, *detail = await self._acall(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
+            status, *detail = await self._transport.acall(wire.CALL_SUBMIT, self._api, wire.encode_request(request))
         except (ServiceUnavailableError, asyncio.CancelledError):
             # No answer in time, or its client left while waiting: the core may have admitted it, for
             # nobody. Cancel it there, and let the core forget whom its outputs were for.
             if fresh:
                 self._mailboxes.pop(session_id, None)
             self.cancel(session_id)
-            self._releases.append(session_id)
+            self._transport.note_release(session_id)
             raise
         if status == wire.OK:
             return
@@ -435,30 +320,26 @@ class MPClient:
         return self._mailboxes[session_id]
 
     def note_delivered(self, session_id: str, samples: int) -> None:
-        self._delivered[session_id] = self._delivered.get(session_id, 0) + samples
-        self._schedule_flush()
+        self._transport.note_delivered(session_id, samples)
 
     def note_loop_lag(self, seconds: float) -> None:
-        if self._calls is not None and self._alive:
+        if self._transport.open:
             # A full input queue at the core drops this report: the next tick's replaces it anyway.
-            with contextlib.suppress(zmq.Again):
-                self._calls.send(wire.pack([wire.LOOP_LAG, self._api, seconds]), zmq.NOBLOCK)
+            self._transport.send_nowait([wire.LOOP_LAG, self._api, seconds])
 
     def cancel(self, session_id: str) -> None:
-        self._cancels.append(session_id)
-        self._schedule_flush()
+        self._transport.note_cancel(session_id)
 
     def release(self, session_id: str) -> None:
         if self._mailboxes.pop(session_id, None) is not None:
-            self._releases.append(session_id)
-            self._schedule_flush()
+            self._transport.note_release(session_id)
 
     def open_sessions(self) -> list[str]:
         return list(self._mailboxes)
 
     def stats(self) -> EngineCoreStats:
         """The core's snapshot; while it is down, the last one with the engine marked not alive."""
-        if self._alive:
+        if self._transport.up:
             try:
                 self._last_stats = self._stats_call()
                 return self._last_stats
@@ -470,108 +351,18 @@ class MPClient:
         return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
 
     def _stats_call(self) -> EngineCoreStats:
-        _, values, figures = self._call(wire.CALL_STATS)
+        _, values, figures = self._transport.call(wire.CALL_STATS)
         self.api_figures = dict(figures)
         stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
         if stats.engine_failure is not None:
             self._engine_failure = stats.engine_failure
         return stats
 
-    # ------------------------------------------------------------ transport
-
-    def _send_call(self, kind: int, args: tuple[Any, ...]) -> int:
-        """Send one call, after the notes this loop pass produced; its sequence number."""
-        assert self._calls is not None
-        self._flush_notes()
-        self._seq += 1
-        try:
-            self._calls.send(wire.pack([kind, self._seq, *args]), zmq.NOBLOCK)
-        except zmq.Again:
-            raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
-        return self._seq
-
-    async def _acall(self, kind: int, *args: Any) -> list[Any]:
-        """`_call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
-        assert self._calls is not None and self._loop is not None
-        timeout = self._timeout_s
-        seq = self._send_call(kind, args)
-        future = self._replies[seq] = self._loop.create_future()
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                self._take_replies()  # an answer that came before the loop looked at the socket again
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._unanswered(timeout)
-                try:
-                    # Bounded waits: the process's death is noticed even if no answer ever comes.
-                    return await asyncio.wait_for(asyncio.shield(future), min(remaining, 0.1))
-                except TimeoutError:
-                    if not self._core_running():
-                        raise ServiceUnavailableError("the engine-core process has died") from None
-        finally:
-            del self._replies[seq]
-            if future.done() and not future.cancelled():
-                future.exception()  # retrieved: a failure nobody waits for any more is not logged as lost
-
-    def _unanswered(self, timeout: float) -> ServiceUnavailableError:
-        message = f"the engine core did not answer within {timeout:g} s"
-        if not self._stopping and self._owner and self._core_running():
-            # Its input thread answers at once whatever the engine does: silence means it is stuck.
-            # Treated as dead: killed, its streams failed, and started again (see _on_process_exit).
-            assert self._process is not None
-            log.error("%s; killing it (process %d)", message, self._process.pid)
-            self._process.kill()
-        return ServiceUnavailableError(message)
-
-    def _call(self, kind: int, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """Send one call and wait for its answer (blocking the loop: one round trip to a core that
-        answers from its input thread). ServiceUnavailableError if it cannot be sent, the core dies, or
-        no answer comes within `timeout_s` (server.core_call_timeout_s)."""
-        assert self._calls is not None
-        timeout = self._timeout_s if timeout_s is None else timeout_s
-        seq = self._send_call(kind, args)
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._unanswered(timeout)
-            if self._calls.poll(int(min(remaining, 0.1) * 1000) + 1):
-                reply = wire.unpack(self._calls.recv())
-                if reply[0] == seq:
-                    if self._replies and self._loop is not None:
-                        # This poll may have taken the descriptor's signal for a submit's answer behind it.
-                        self._loop.call_soon(self._take_replies)
-                    return reply[1:]
-                self._resolve(reply)  # a submit's answer, or the late answer to a call that timed out
-                continue
-            if not self._core_running():
-                raise ServiceUnavailableError("the engine-core process has died")
-
-    def _schedule_flush(self) -> None:
-        if not self._flush_scheduled and self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush_notes)
-
-    def _flush_notes(self) -> None:
-        self._flush_scheduled = False
-        if not (self._delivered or self._cancels or self._releases) or self._calls is None or not self._alive:
-            return
-        message = wire.pack([wire.NOTES, list(self._delivered.items()), self._cancels, self._releases])
-        try:
-            self._calls.send(message, zmq.NOBLOCK)
-        except zmq.Again:
-            # The core's input queue is full: keep the notes (one entry per session at most) for the next pass.
-            log.warning("the engine core's input queue is full; delivery notes wait for the next pass")
-            return
-        self._delivered = {}
-        self._cancels = []
-        self._releases = []
+    # ------------------------------------------------------------ outputs and supervision
 
     async def _read_outputs(self) -> None:
-        assert self._pull is not None
         while True:
-            batch = wire.unpack(await self._pull.recv())
+            batch = await self._transport.receive_outputs()
             for entry in batch:
                 decoded = wire.decode_output(entry)
                 if isinstance(decoded, wire.EngineDead):
@@ -591,44 +382,30 @@ class MPClient:
         if not self._owner:  # the core is fine; this process is not: it stops, and API process 0 with it
             self.fatal.set()
 
-    # ------------------------------------------------------------ supervision
-
-    def _watch(self, process: multiprocessing.process.BaseProcess) -> None:
-        assert self._loop is not None
-        self._loop.add_reader(process.sentinel, self._on_process_exit, process)
-
-    def _on_process_exit(self, process: multiprocessing.process.BaseProcess) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(process.sentinel)
-        process.join(1.0)
-        if self._stopping:
-            return
-        self._core_lost(f"the engine-core process died (exit code {process.exitcode})")
-        if process.is_alive():  # lost for another reason (its output handler): make sure it is gone
-            process.kill()
-            process.join()
+    def _watch(self) -> None:
+        assert self._loop is not None and self._supervisor is not None
+        self._supervisor.watch(self._loop, self._core_lost, lambda: self._stopping)
 
     def _core_lost(self, reason: str) -> None:
-        if not self._alive or self._stopping:
+        if not self._transport.up or self._stopping:
             return
         log.error("%s; failing %d open streams", reason, len(self._mailboxes))
-        self._alive = self._serving = False
+        self._transport.up = self._serving = False
         self._core_failure = reason
-        self._fail_replies(reason)
+        self._transport.fail_replies(reason)
         for mailbox in self._mailboxes.values():
             mailbox.put_nowait(SessionDone(Outcome.UNAVAILABLE, error=reason))
-        self._delivered, self._cancels, self._releases = {}, [], []
-        if not self._owner:
+        self._transport.drop_notes()
+        if self._supervisor is None:
             return  # API process 0 restarts the core, and says when it is back (core_up)
-        self._tell("down", reason)
-        now = time.monotonic()
-        self._deaths = [t for t in self._deaths if now - t < CRASH_LOOP_S] + [now]
+        self._tell_listeners("down", reason)
+        restart_allowed = self._supervisor.crash_loop.died()
         if not self._config.server.restart_core:
             log.critical("server.restart_core is off: the server stops")
             self.fatal.set()
-        elif len(self._deaths) > CRASH_LOOP_RESTARTS:
-            log.critical("the engine core died %d times within %.0f s; not starting it again: the server stops",
-                         len(self._deaths), CRASH_LOOP_S)
+        elif not restart_allowed:
+            log.critical("the engine core died %s; not starting it again: the server stops",
+                         self._supervisor.crash_loop)
             self.fatal.set()
         else:
             assert self._loop is not None
@@ -639,11 +416,11 @@ class MPClient:
         self.restarts += 1
         log.warning("starting the engine core again (restart %d)", self.restarts)
         try:
-            self._open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
-            self.info = await self._loop.run_in_executor(None, self._spawn)
-            assert self._process is not None
-            self._watch(self._process)
-            self._alive = True
+            self._transport.open_calls()  # a fresh socket: nothing queued for the old core reaches the new one
+            assert self._supervisor is not None
+            self.info = await self._loop.run_in_executor(None, self._supervisor.spawn, lambda: self._stopping)
+            self._watch()
+            self._transport.up = True
             self._figures_sent = None  # the new core has none of this process's counters yet
             self._engine_failure = None
             await self._warm_up()
@@ -654,13 +431,13 @@ class MPClient:
             if self._restart_task is not asyncio.current_task():
                 return  # the new core died too; a later restart has taken over
             log.exception("restarting the engine core failed")
-            self._alive = self._serving = False
+            self._transport.up = self._serving = False
             self._core_failure = f"restarting the engine core failed: {exc}"
             self.fatal.set()
             return
         self._core_failure = None
         log.warning("engine core restarted (process %d)", self.core_pid)
-        self._tell("up", self.info)
+        self._tell_listeners("up", self.info)
 
     async def _warm_up(self) -> None:
         """Run the first session this client ever ran again, as the service's warm-up did at start."""
