@@ -11,10 +11,11 @@ caller acts on), `errors.py` (why `submit()` refuses a session).
 
 from .errors import AdmissionError, InvalidSessionError, SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .feedback import SchedulerStats
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
 from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
-from .scheduler import Scheduler, SchedulerStats
+from .scheduler import Scheduler
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 
