@@ -286,6 +286,12 @@ def test_few_loose_modules_at_the_top() -> None:
     assert len(loose) <= MAX_LOOSE_MODULES, loose
 
 
+def test_no_oversized_function_or_class() -> None:
+    found = [entry for path in sorted(PACKAGE.rglob("*.py")) if module_name(path) not in GENERATED
+             for entry in oversized(path.read_text(), module_name(path))]
+    assert found == []
+
+
 def test_the_size_checks_can_fail(tmp_path: Path) -> None:
     for name in ("__init__", "config", "a", "b", "c", "d", "e"):
         (tmp_path / f"{name}.py").write_text("")
