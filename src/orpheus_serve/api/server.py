@@ -110,7 +110,7 @@ class OrpheusServer:
         self.service = service
         self.api_index = api_index
         self.gateway = Gateway(service, config)
-        self._api_group = peers
+        self._peers = peers
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
         self.http_port: int | None = None
@@ -194,10 +194,10 @@ class OrpheusServer:
         if self._uvicorn_task is None:
             await self.open_listeners()
         assert self._uvicorn_task is not None and self._grpc is not None
-        if self._api_group is not None:
+        if self._peers is not None:
             # The other API processes warm up first: once this one is ready, all are.
             assert self.http_port is not None and self.grpc_port is not None
-            await self._api_group.start(self.http_port, self.grpc_port)
+            await self._peers.start(self.http_port, self.grpc_port)
         await self.service.start()
         # Starlette streams every response through anyio, whose asyncio backend loads on first use: load it
         # now rather than inside the first client's time to first byte (hundreds of ms on a busy disk).
@@ -220,10 +220,10 @@ class OrpheusServer:
         self.gateway.shutting_down = True
         if self._grpc is not None:
             await self._grpc.set_serving(False)
-        if self._api_group is not None:
+        if self._peers is not None:
             # This process's streams go on meanwhile; the core stops only after every API process is done.
             started = asyncio.get_running_loop().time()
-            await self._api_group.stop(grace)
+            await self._peers.stop(grace)
             grace = max(0.0, grace - (asyncio.get_running_loop().time() - started))
         await self.service.shutdown(grace)
         # The service has finished or cancelled every session; let the gateway write what is left.
@@ -276,8 +276,8 @@ class OrpheusServer:
                 waits = [asyncio.ensure_future(stop.wait())]
                 if fatal is not None:
                     waits.append(asyncio.ensure_future(fatal.wait()))
-                if self._api_group is not None:
-                    waits.append(asyncio.ensure_future(self._api_group.failed.wait()))
+                if self._peers is not None:
+                    waits.append(asyncio.ensure_future(self._peers.failed.wait()))
                 try:
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -286,7 +286,7 @@ class OrpheusServer:
                 if fatal is not None and fatal.is_set():
                     log.critical("the engine core is gone and is not restarted; stopping with exit code 1")
                     self.exit_code = 1
-                if self._api_group is not None and self._api_group.failed.is_set():
+                if self._peers is not None and self._peers.failed.is_set():
                     log.critical("an API process died; stopping with exit code 1")
                     self.exit_code = 1
         finally:

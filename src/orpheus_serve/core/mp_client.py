@@ -84,9 +84,10 @@ class MPClient:
         self._config = config
         self._api = api_index
         self._timeout_s = config.server.core_call_timeout_s
-        # Owner: this client starts, watches and restarts the core (API process 0); otherwise it was attached
-        # to the core of another API process, which tells it when the core dies and comes back.
-        self._owner = addresses is None
+        # The owner (API process 0, no addresses given) starts, watches and restarts the core: it has a
+        # supervisor. Otherwise this client was attached to the core of another API process, which tells it
+        # when the core dies and comes back.
+        owner = addresses is None
         self._dir: Path | None = None
         if addresses is None:
             self._dir = Path(tempfile.mkdtemp(prefix="orpheus-core-"))
@@ -94,7 +95,7 @@ class MPClient:
                 input=f"ipc://{self._dir}/input",
                 outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
         self._addresses = addresses
-        self._supervisor = CoreSupervisor(config, addresses) if self._owner else None
+        self._supervisor = CoreSupervisor(config, addresses) if owner else None
         self._transport = CoreTransport(addresses, api_index, self._timeout_s, core_running=self._core_running,
                                         on_silence=self._on_silence)
         self.info: CoreInfo | None = None
@@ -379,7 +380,7 @@ class MPClient:
         error = task.exception()
         log.error("the engine-core output handler failed: %r", error)
         self._core_lost(f"the engine core's output handler failed: {error!r}")
-        if not self._owner:  # the core is fine; this process is not: it stops, and API process 0 with it
+        if self._supervisor is None:  # the core is fine; this process is not: it stops, and API process 0 with it
             self.fatal.set()
 
     def _watch(self) -> None:

@@ -1,1 +1,1 @@
-"""request"""
+"""What a request is: its types, errors, text hygiene, incremental text and validation (ARCHITECTURE §2)."""
