@@ -30,7 +30,7 @@ def build_server(config: Config, service: TTSService | None = None) -> OrpheusSe
     the others as its peers."""
     if service is None:
         service = build_service(config)
-    client = service.client
+    client = getattr(service, "client", None)  # a stand-in service (tests) may have none
     if config.server.api_processes > 1 and isinstance(client, MPClient):
         server = OrpheusServer(config, service, peers=ApiProcessGroup(config, client))
         server.share_counters(client)
