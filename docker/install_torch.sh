@@ -3,8 +3,8 @@
 # torch>=2.9, so whatever is installed here is what the image serves with.
 #   TORCH_VERSION  the pin (scripts/setup.sh's); empty: keep the base image's own torch (TensorRT-LLM's container)
 #   TORCH_INDEX_URL  where pip looks for it (e.g. https://download.pytorch.org/whl/cu130); empty: PyPI
-#   /wheels/torch-*.whl  a wheel from the build context (docker/wheels/): the CPU build uses this machine's
-#                        CPU wheel, so it never downloads a CUDA torch
+#   /wheels/torch-*.whl  a wheel from the build context (docker/wheels/, bound at /wheels; WHEEL_DIR moves
+#                        it): the CPU build uses this machine's CPU wheel, so it never downloads a CUDA torch
 # Ends by printing the torch the image has, and fails if it is not the pinned release.
 set -eu
 PYTHON=${PYTHON:-python3}
@@ -17,7 +17,7 @@ if [ -z "${TORCH_VERSION:-}" ]; then
   exit 0
 fi
 
-wheel=$(ls /wheels/torch-*.whl 2>/dev/null | head -n 1 || true)
+wheel=$(ls "${WHEEL_DIR:-/wheels}"/torch-*.whl 2>/dev/null | head -n 1 || true)
 if [ -n "$wheel" ]; then
   case "$(basename "$wheel")" in
     "torch-$TORCH_VERSION-"*|"torch-$TORCH_VERSION+"*) ;;

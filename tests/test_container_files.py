@@ -235,23 +235,29 @@ def test_every_copy_source_exists_and_is_in_the_context(instructions: list[tuple
     assert not ignored("docker/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 
 
-def test_install_torch_refuses_a_wheel_of_another_release(tmp_path: Path) -> None:
-    """docker/install_torch.sh checks the wheel's version before pip sees it (run here with /wheels absent,
-    it takes the 'already installed' path against this environment's torch)."""
+def install_torch(tmp_path: Path, torch_version: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "TORCH_VERSION": torch_version,
+           "WHEEL_DIR": str(tmp_path)}
+    return subprocess.run(["sh", str(ROOT / "docker" / "install_torch.sh")], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_install_torch_keeps_the_pinned_torch_and_refuses_a_wheel_of_another_release(tmp_path: Path) -> None:
+    """docker/install_torch.sh, run against this environment (where torch is installed): the pinned release
+    already there is kept, an empty pin keeps whatever is there, and a wheel of another release in the
+    wheel folder is refused before pip sees it."""
     import torch
 
-    script = ROOT / "docker" / "install_torch.sh"
-    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "TORCH_VERSION": torch.__version__.split("+")[0]}
-    done = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith(f"torch {torch.__version__}")
-    env["TORCH_VERSION"] = "1.0.0"
-    wrong = subprocess.run(["sh", "-c", f'ls /wheels >/dev/null 2>&1 || exit 3; sh {script}'], env=env,
-                           capture_output=True, text=True, timeout=120, check=False)
-    if wrong.returncode == 3:  # no /wheels here: a pinned release that is not installed would go to pip
-        keep = {**env, "TORCH_VERSION": ""}
-        kept = subprocess.run(["sh", str(script)], env=keep, capture_output=True, text=True, timeout=120, check=False)
-        assert kept.returncode == 0 and "keeping the base image's torch" in kept.stdout
+    have = torch.__version__
+    kept = install_torch(tmp_path, have.split("+")[0])
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout.splitlines() == [f"the base image already has torch {have}", f"torch {have}"]
+    base = install_torch(tmp_path, "")
+    assert base.returncode == 0 and base.stdout.strip() == f"keeping the base image's torch {have}"
+    (tmp_path / "torch-1.0.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    refused = install_torch(tmp_path, have.split("+")[0])
+    assert refused.returncode == 1
+    assert "is not torch" in refused.stderr and "scripts/setup.sh's pin" in refused.stderr
 
 
 # --- docker/healthcheck.py against a real server ---------------------------------------------------------------
