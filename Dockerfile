@@ -61,7 +61,8 @@ COPY scripts/ scripts/
 COPY docker/healthcheck.py docker/healthcheck.py
 RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install ${PIP_EXTRA_INDEX_URL:+--extra-index-url "$PIP_EXTRA_INDEX_URL"} \
         -e "/app${EXTRAS:+[$EXTRAS]}" \
-    && python3 -c "import orpheus_serve.api.server"
+    && python3 -c "import orpheus_serve.api.server" \
+    && python3 -m compileall -q /app/src  # uid 10001 cannot write bytecode beside the sources at run time
 
 # The tiny random-weight models, written once here so that a container without /models starts at once and
 # needs no writable file system (they are what the server falls back to: models.ensure_tiny_models).
