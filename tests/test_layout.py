@@ -305,3 +305,15 @@ def test_the_size_checks_can_fail(tmp_path: Path) -> None:
         f"probe: function long has {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
         f"probe: class Big has {MAX_CLASS_LINES + 1} lines (at most {MAX_CLASS_LINES})",
     ]
+
+
+def test_paths_derived_from_a_modules_location_point_into_the_repository() -> None:
+    # A module that moves deeper must still find the repository's files (models/, config/, the playground).
+    from orpheus_serve.api.http import PLAYGROUND_DIR
+    from orpheus_serve.benchmarking.launch import REPO_ROOT as BENCH_ROOT
+    from orpheus_serve.config import DEFAULT_CONFIG_PATH
+    from orpheus_serve.weights.paths import REPO_ROOT
+
+    root = PACKAGE.parents[1]
+    assert REPO_ROOT == BENCH_ROOT == root and (root / "pyproject.toml").exists()
+    assert DEFAULT_CONFIG_PATH.exists() and (PLAYGROUND_DIR / "index.html").exists()
