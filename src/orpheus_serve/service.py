@@ -247,7 +247,9 @@ class TTSService:
                                 metrics.ttfb_s = run.first_audio_at - received
                                 if count:
                                     self._notify("on_first_audio", req.request_id, metrics.ttfb_s, metrics.queue_s)
-                            chunk = AudioChunk(pcm=item, index=run.index, start_sample=run.samples)
+                            chunk = AudioChunk(pcm=item, index=run.index, start_sample=run.samples,
+                                               resumes_playback=run.resumes_playback)
+                            run.resumes_playback = False
                             run.index += 1
                             run.samples += chunk.num_samples
                             if envelope is not None:
@@ -337,6 +339,7 @@ class TTSService:
         played_from = run.first_audio_at if run.first_audio_at is not None else now
         if req.text_input is not None and played_from + audio_before <= now:
             played_from, audio_before = now, 0.0
+            run.resumes_playback = k > 0
         sampling = resolve_sampling(self.config.sampling, req, chunk.text)
         if sampling.seed is not None and k:
             sampling = replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1))  # seeds wrap in 0..2^64-1
@@ -392,6 +395,7 @@ class _Run:
     index: int = 0  # AudioChunk index
     samples: int = 0  # samples out so far
     first_audio_at: float | None = None
+    resumes_playback: bool = False  # the client's audio ran out while its text was awaited (AudioChunk)
 
 
 async def _first_of(outputs: asyncio.Queue[SessionOutput], text: TextStream) -> SessionOutput | None:

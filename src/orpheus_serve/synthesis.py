@@ -44,6 +44,9 @@ class AudioChunk:
     sample_rate: int = SAMPLE_RATE
     index: int = 0  # position of this chunk in the response, from 0
     start_sample: int = 0  # offset of its first sample in the response
+    # The first audio after an incremental text's client let its audio run out before sending more text:
+    # the gap before it is the client's, not an underrun (playback.py).
+    resumes_playback: bool = False
 
     @property
     def num_samples(self) -> int:

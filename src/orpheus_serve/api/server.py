@@ -131,6 +131,7 @@ class OrpheusServer:
         client.figures_source = own
         self.gateway.api_processes = every
         metrics.peer_figures = peers
+        metrics.api_process_figures = lambda: every()[1]
     @property
     def host(self) -> str:
         return self.config.server.host
@@ -190,7 +191,8 @@ class OrpheusServer:
             from .api_processes import ApiProcessGroup
 
             assert self.http_port is not None and self.grpc_port is not None
-            self._api_group = ApiProcessGroup(self.config, client)
+            self._api_group = ApiProcessGroup(self.config, client,
+                                              on_restart=self.gateway.metrics.api_process_restarts.inc)
             await self._api_group.start(self.http_port, self.grpc_port)
         await self.service.start()
         # Starlette streams every response through anyio, whose asyncio backend loads on first use: load it
