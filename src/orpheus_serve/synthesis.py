@@ -45,7 +45,8 @@ class AudioChunk:
     index: int = 0  # position of this chunk in the response, from 0
     start_sample: int = 0  # offset of its first sample in the response
     # The first audio after an incremental text's client let its audio run out before sending more text:
-    # the gap before it is the client's, not an underrun (playback.py).
+    # the gap before it (the wait for that text, then its first audio, like a new request's) is not an
+    # underrun (playback.py).
     resumes_playback: bool = False
 
     @property
