@@ -30,9 +30,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client.protocols import stream_url
-from orpheus_serve.playback import PlaybackClock
+from orpheus_serve.metrics.playback import PlaybackClock
 from tests.gateway_support import metric_values, settled_stats, sim_config, stats, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

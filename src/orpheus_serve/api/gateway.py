@@ -40,29 +40,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
+from ..audio.encoding import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
-from ..metrics import ServingMetrics
-from ..playback import PlaybackClock
-from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
-from ..stats import merge_api_processes
-from ..synthesis import (
-    PROTOCOLS,
-    AudioChunk,
-    ChunkTimings,
-    ClientStalledError,
-    InvalidRequestError,
-    ProtocolName,
-    ServiceUnavailableError,
-    SynthesisError,
-    SynthesisMetrics,
-    SynthesisRequest,
-)
+from ..metrics.playback import PlaybackClock
+from ..metrics.prometheus import ServingMetrics
+from ..metrics.stats import merge_api_processes
+from ..request.errors import ClientStalledError, InvalidRequestError, ServiceUnavailableError, SynthesisError
+from ..request.types import PROTOCOLS, AudioChunk, ChunkTimings, ProtocolName, SynthesisMetrics, SynthesisRequest
+from ..token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
-    from ..service import TTSService
-    from ..stats import ServiceSnapshot
+    from ..metrics.stats import ServiceSnapshot
+    from ..service.service import TTSService
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +144,7 @@ class Gateway:
         self.limiter = ConnectionLimiter(config.server.max_connections)
         self._api_keys = [k.encode() for k in config.server.api_keys]
         self._active: Counter[str] = Counter()
-        self._underrunning: Counter[str] = Counter()  # open streams that have had an underrun (playback.py)
+        self._underrunning: Counter[str] = Counter()  # open streams that have had an underrun (metrics/playback.py)
         self._idle = asyncio.Event()
         self._idle.set()
         self._outcomes: Counter[tuple[str, str]] = Counter()
@@ -210,7 +200,7 @@ class Gateway:
 
     def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
         """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
-        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (DESIGN §5a);
+        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (ARCHITECTURE §5a);
         it clears by itself."""
         if self.shutting_down:
             return "shutting_down"
@@ -306,7 +296,7 @@ class Gateway:
         return True
 
     def stream_underran(self, stream: SpeechStream, stall_s: float) -> None:
-        """`stream`'s audio reached its connection `stall_s` after the audio before it ran out (playback.py)."""
+        """`stream`'s audio reached its connection `stall_s` after the audio before it ran out (metrics/playback.py)."""
         if stream.playback.underruns == 1:
             self._underrunning[stream.protocol] += 1
         self.metrics.underrun(stream.protocol, stall_s)
@@ -382,7 +372,7 @@ class SpeechStream:
         self.encoder: AudioStreamEncoder | None = None
         self.metrics: SynthesisMetrics | None = None
         self.first_byte_s: float | None = None
-        self.playback = PlaybackClock()  # how its client would play what it was handed (playback.py)
+        self.playback = PlaybackClock()  # how its client would play what it was handed (metrics/playback.py)
         self._lease = lease
         self._queue: asyncio.Queue[AudioChunk | ChunkTimings | SynthesisMetrics | BaseException | object] = asyncio.Queue(
             maxsize=STREAM_QUEUE_ITEMS)
@@ -396,6 +386,12 @@ class SpeechStream:
     @property
     def content_type(self) -> str:
         return CONTENT_TYPES[self.output.format]
+
+    async def cancel_when_stalled(self, cancel: Callable[[], object]) -> None:
+        """Call `cancel` once the client is reported stalled (ARCHITECTURE §5a). Every adapter runs this
+        beside the task that writes the stream, with that task's (or its scope's) cancel."""
+        await self.stalled.wait()
+        cancel()
 
     async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an encoder call off the loop unless it is a plain copy. Calls of one stream never overlap."""
@@ -477,7 +473,7 @@ class SpeechStream:
 
     async def events(self) -> AsyncIterator[bytes | ChunkTimings]:
         """`audio()`'s bytes with each text chunk's ChunkTimings in order, after that chunk's audio
-        (incremental-text requests and requests with timestamps; see synthesis.ChunkTimings)."""
+        (incremental-text requests and requests with timestamps; see request.types.ChunkTimings)."""
         item = self._head
         self._head = None
         encoder = self.encoder
