@@ -15,6 +15,17 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "could not install chromium (see /tmp/orpheus-chromium-install.log); the browser tests will fail" >&2
   fi
 fi
+# promtool checks the Prometheus alert rules (deploy/prometheus) and runs their unit tests; prometheus itself
+# scrapes a test server to run every dashboard query (tests/test_observability.py). Debian's package has both.
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo -n"; fi
+  echo "installing prometheus (apt-get) for promtool and the observability tests"
+  if ! { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+      >/tmp/orpheus-prometheus-install.log 2>&1; then
+    echo "could not install prometheus (see /tmp/orpheus-prometheus-install.log); the promtool tests will skip" >&2
+  fi
+fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest "$@"
 if [ "$#" -eq 0 ]; then

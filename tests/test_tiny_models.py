@@ -83,3 +83,11 @@ def test_3b_preset_is_the_orpheus_3b_shape() -> None:
     assert config["rope_theta"] == 500000.0
     assert config["rope_scaling"] == {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+def test_model_paths_resolve_from_the_repository_root() -> None:
+    # models/ (and the tiny fallback built into it) sit next to config/, not under src/.
+    from orpheus_serve.weights.paths import REPO_ROOT
+
+    assert (REPO_ROOT / "config" / "model_config.yaml").is_file()
+    assert (REPO_ROOT / "src" / "orpheus_serve").is_dir()

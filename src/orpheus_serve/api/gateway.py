@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..audio.encoding import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
+from ..metrics.playback import PlaybackClock
 from ..metrics.prometheus import ServingMetrics
 from ..metrics.stats import merge_api_processes
 from ..request.errors import ClientStalledError, InvalidRequestError, ServiceUnavailableError, SynthesisError
@@ -143,12 +144,14 @@ class Gateway:
         self.limiter = ConnectionLimiter(config.server.max_connections)
         self._api_keys = [k.encode() for k in config.server.api_keys]
         self._active: Counter[str] = Counter()
+        self._underrunning: Counter[str] = Counter()  # open streams that have had an underrun (metrics/playback.py)
         self._idle = asyncio.Event()
         self._idle.set()
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self.started_at = time.time()
         self.shutting_down = False  # set by the server when shutdown begins; the service says the rest
-        self.metrics = ServingMetrics(service.snapshot, self.figures)
+        self.metrics = ServingMetrics(service.snapshot, self.figures,
+                                      ttfb_target_s=config.active_profile.target_ttfb_ms / 1000)
         service.add_observer(self.metrics)
         # Compressed encoding, resampling and tempo cost milliseconds per chunk; PyAV releases the GIL while
         # it works, so they run here instead of on the event loop that serves every stream.
@@ -292,6 +295,18 @@ class Gateway:
             return False
         return True
 
+    def stream_underran(self, stream: SpeechStream, stall_s: float) -> None:
+        """`stream`'s audio reached its connection `stall_s` after the audio before it ran out (metrics/playback.py)."""
+        if stream.playback.underruns == 1:
+            self._underrunning[stream.protocol] += 1
+        self.metrics.underrun(stream.protocol, stall_s)
+
+    def stream_played(self, stream: SpeechStream) -> None:
+        """A stream that had audio has closed: count how it played."""
+        if stream.playback.underruns:
+            self._underrunning[stream.protocol] -= 1
+        self.metrics.stream_played(stream.protocol, underran=stream.playback.underruns > 0)
+
     def refused(self, protocol: str, error: SynthesisError) -> None:
         """Count a request refused before a stream opened (streams count themselves when they close)."""
         self._record(protocol, error.code)
@@ -313,6 +328,7 @@ class Gateway:
             "open_connections": self.limiter.open,
             "max_connections": self.limiter.limit,
             "active_streams": {p: self._active[p] for p in PROTOCOLS},
+            "underrunning_streams": {p: self._underrunning[p] for p in PROTOCOLS},
             "requests": by_protocol,
         }
 
@@ -356,6 +372,7 @@ class SpeechStream:
         self.encoder: AudioStreamEncoder | None = None
         self.metrics: SynthesisMetrics | None = None
         self.first_byte_s: float | None = None
+        self.playback = PlaybackClock()  # how its client would play what it was handed (metrics/playback.py)
         self._lease = lease
         self._queue: asyncio.Queue[AudioChunk | ChunkTimings | SynthesisMetrics | BaseException | object] = asyncio.Queue(
             maxsize=STREAM_QUEUE_ITEMS)
@@ -482,6 +499,10 @@ class SpeechStream:
                 return
             assert isinstance(item, AudioChunk)
             data = await self._in_pool(encoder.encode, item.pcm)
+            stall = self.playback.deliver(time.perf_counter(), item.num_samples / item.sample_rate / self.output.speed,
+                                          resume=item.resumes_playback)
+            if stall:
+                self.gateway.stream_underran(self, stall)
             if data:
                 yield self._mark(data)
             item = None
@@ -527,6 +548,8 @@ class SpeechStream:
         else:
             # "ok", the error audio() raised, or, if it never finished, the client went away.
             status = self._status or "cancelled"
+        if self.playback.started:
+            self.gateway.stream_played(self)
         self.gateway.stream_closed(self.protocol, status)
         if status not in ("ok", "cancelled"):
             log.info("request %s (%s) ended: %s", self.request.request_id, self.protocol, status)

@@ -32,7 +32,9 @@ def build_server(config: Config, service: TTSService | None = None) -> OrpheusSe
         service = build_service(config)
     client = getattr(service, "client", None)  # a stand-in service (tests) may have none
     if config.server.api_processes > 1 and isinstance(client, MPClient):
-        server = OrpheusServer(config, service, peers=ApiProcessGroup(config, client))
+        peers = ApiProcessGroup(config, client)
+        server = OrpheusServer(config, service, peers=peers)
+        peers.on_restart = server.gateway.metrics.api_process_restarts.inc
         server.share_counters(client)
         return server
     return OrpheusServer(config, service)

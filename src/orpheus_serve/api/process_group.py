@@ -53,6 +53,7 @@ import logging
 import multiprocessing
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any
@@ -75,9 +76,10 @@ _STOP_MARGIN_S = 15.0  # after the drain grace: closing listeners, interpreter e
 class ApiProcessGroup:
     """API processes 1..N-1, started and supervised by API process 0 (see the module docstring)."""
 
-    def __init__(self, config: Config, client: MPClient) -> None:
+    def __init__(self, config: Config, client: MPClient, *, on_restart: Callable[[], object] | None = None) -> None:
         self._config = config
         self._client = client
+        self.on_restart = on_restart  # told of every API process started again (the restart counter)
         self._processes: dict[int, tuple[multiprocessing.process.BaseProcess, Connection]] = {}
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -164,6 +166,8 @@ class ApiProcessGroup:
             return  # stop() sent it the stop request with the others
         self._loop.add_reader(process.sentinel, self._on_exit, index)
         self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart()
         log.info("API process %d is serving again (pid %s)", index, process.pid)
 
     async def stop(self, grace_s: float) -> None:

@@ -246,6 +246,8 @@ class GatewayStats(_Snapshot):
     open_connections: int
     max_connections: int
     active_streams: dict[str, int] = Field(description="Open streams by protocol.")
+    underrunning_streams: dict[str, int] = Field(
+        description="Open streams that have had an underrun, judged at the server, by protocol.")
     requests: dict[str, dict[str, int]] = Field(description="Finished requests by protocol and outcome.")
 
 

@@ -140,6 +140,7 @@ class OrpheusServer:
         client.figures_source = own
         self.gateway.api_processes = every
         metrics.peer_figures = peers
+        metrics.api_process_figures = lambda: every()[1]
 
     @property
     def host(self) -> str:

@@ -13,23 +13,31 @@ Two sources feed it:
 Nothing registers into prometheus_client's global registry, so several apps
 (tests, benchmarks) can live in one process.
 
+Playback as the server judged it (playback.py): every underrun as it happens
+(`stream_underruns`, `stream_underrun_seconds`), the open streams that have had
+one (`underrunning_streams`), and every stream that had audio once it closes,
+by whether it played real-time (`streams_played{playback}`).
+
 With more than one API process (server.api_processes) each process's own
 counters and histograms (`samples()`) travel with its other counters through
 the engine core (api/process_group.py); `render()` then adds the other
 processes' samples to this one's (`peer_samples`), so a scrape of any process
-sees the whole server. The engine gauges are the core's, the same everywhere.
+sees the whole server. The engine gauges are the core's, the same everywhere. The `api_process_*`
+families are the one place with a row per API process (label `api_process`,
+"0" alone with one process), for telling an overloaded process from the rest.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..request.types import SynthesisMetrics
+from ..request.types import PROTOCOLS, SynthesisMetrics
 from .stats import ServiceSnapshot
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -46,6 +54,10 @@ class _ServiceStatsCollector(Collector):
     def __init__(self, snapshot: Callable[[], ServiceSnapshot], gateway_figures: Callable[[], Mapping[str, Any]]):
         self._snapshot = snapshot
         self._gateway_figures = gateway_figures
+        # API process index -> its figures (stats.api_process_figures: "cpu_s", "gateway"); with one API
+        # process, this one's alone. ServingMetrics.api_process_figures replaces it for more.
+        self.api_process_figures: Callable[[], Mapping[int, Mapping[str, Any]]] = lambda: {
+            0: {"cpu_s": time.process_time(), "gateway": gateway_figures()}}
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._snapshot()
@@ -89,24 +101,63 @@ class _ServiceStatsCollector(Collector):
                                 value=flow.gateway_lag_ms / 1000)
         yield GaugeMetricFamily("orpheus:saturated", "1 while the pipeline is behind or full (/ready is 503).",
                                 value=1.0 if snapshot.saturation is not None else 0.0)
+        yield GaugeMetricFamily("orpheus:engine_alive",
+                                "0 once the engine is declared dead (every retry of a step failed) or its "
+                                "core process is down; 1 otherwise.", value=1.0 if snapshot.core.engine_alive else 0.0)
+        yield CounterMetricFamily("orpheus:engine_core_restarts",
+                                  "Times the engine-core process was started again after it died "
+                                  "(server.engine_process).", value=snapshot.core.core_restarts)
         gateway = self._gateway_figures()
         streams = GaugeMetricFamily("orpheus:active_streams", "Audio streams open at the gateway.",
                                     labels=["protocol"])
         for protocol, count in gateway["active_streams"].items():
             streams.add_metric([protocol], count)
         yield streams
+        underrunning = GaugeMetricFamily(
+            "orpheus:underrunning_streams", "Open streams that have had an underrun, judged at the server "
+            "(the rest of orpheus:active_streams played real-time so far).", labels=["protocol"])
+        for protocol, count in gateway["underrunning_streams"].items():
+            underrunning.add_metric([protocol], count)
+        yield underrunning
         yield GaugeMetricFamily("orpheus:open_connections",
                                 "Streams counted against server.max_connections (HTTP streams, WebSockets, gRPC calls).",
                                 value=gateway["open_connections"])
+        yield from _per_api_process(self.api_process_figures())
+
+
+def _per_api_process(figures: Mapping[int, Mapping[str, Any]]) -> Iterator[Metric]:
+    """One row per API process (never summed): its CPU time, streams, connections and requests."""
+    cpu = CounterMetricFamily("orpheus:api_process_cpu_seconds", "CPU seconds of one API process (all threads).",
+                              labels=["api_process"])
+    streams = GaugeMetricFamily("orpheus:api_process_active_streams", "Audio streams open in one API process.",
+                                labels=["api_process"])
+    connections = GaugeMetricFamily("orpheus:api_process_open_connections",
+                                    "Streams one API process counts against server.max_connections.",
+                                    labels=["api_process"])
+    requests = CounterMetricFamily("orpheus:api_process_requests", "Requests one API process has seen, any outcome.",
+                                   labels=["api_process"])
+    for index, part in sorted(figures.items()):
+        label = [str(index)]
+        gateway = part["gateway"]
+        cpu.add_metric(label, part["cpu_s"])
+        streams.add_metric(label, sum(gateway["active_streams"].values()))
+        connections.add_metric(label, gateway["open_connections"])
+        requests.add_metric(label, sum(count for by_status in gateway["requests"].values()
+                                       for count in by_status.values()))
+    yield from (cpu, streams, connections, requests)
 
 
 class ServingMetrics:
     """The app's registry, the service observer, and the gateway's counters."""
 
     def __init__(self, snapshot: Callable[[], ServiceSnapshot],
-                 gateway_figures: Callable[[], Mapping[str, Any]]) -> None:
+                 gateway_figures: Callable[[], Mapping[str, Any]], *, ttfb_target_s: float) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The profile's target (profiles.<name>.target_ttfb_ms), for alerts that compare TTFB with it.
+        self.ttfb_target = Gauge("orpheus:ttfb_target_seconds", "The active profile's time-to-first-byte target.",
+                                 registry=r)
+        self.ttfb_target.set(ttfb_target_s)
         self.time_to_first_audio = Histogram(
             "orpheus:time_to_first_audio_seconds", "Request admitted by the service -> first audio chunk ready.",
             buckets=_LATENCY_BUCKETS, registry=r)
@@ -132,10 +183,28 @@ class ServingMetrics:
                                 ["finish_reason"], registry=r)
         self.requests = Counter("orpheus:requests", "Requests seen by the gateway, by protocol and outcome.",
                                 ["protocol", "status"], registry=r)
+        self.stream_underruns = Counter(
+            "orpheus:stream_underruns", "Underruns judged at the server: audio handed to a client after the audio "
+            "before it would have finished playing.", ["protocol"], registry=r)
+        self.stream_underrun_seconds = Counter(
+            "orpheus:stream_underrun_seconds", "Seconds a client's playback would have stalled, judged at the server.",
+            ["protocol"], registry=r)
+        self.streams_played = Counter(
+            "orpheus:streams_played", "Streams that had audio, counted when they close, by how they played: "
+            "real_time (no underrun) or underran.", ["protocol", "playback"], registry=r)
+        self.api_process_restarts = Counter(
+            "orpheus:api_process_restarts", "API processes 1..N-1 started again after they died "
+            "(server.api_processes).", registry=r)
+        for protocol in PROTOCOLS:  # every series exists from the start, so rate() and alerts see the first one
+            self.stream_underruns.labels(protocol)
+            self.stream_underrun_seconds.labels(protocol)
+            for playback in ("real_time", "underran"):
+                self.streams_played.labels(protocol, playback)
         self._own: list[Counter | Histogram] = [
             self.time_to_first_audio, self.time_to_first_byte, self.queue_time, self.e2e_latency,
             self.real_time_factor, self.audio_seconds, self.requests_queued, self.requests_rejected, self.finished,
-            self.requests]
+            self.requests, self.stream_underruns, self.stream_underrun_seconds, self.streams_played,
+            self.api_process_restarts]
         self._service_collector = _ServiceStatsCollector(snapshot, gateway_figures)
         r.register(self._service_collector)
         # Set with more than one API process: the other processes' counters as they last sent them
@@ -180,6 +249,22 @@ class ServingMetrics:
     def first_byte(self, protocol: str, seconds: float) -> None:
         self.time_to_first_byte.labels(protocol).observe(seconds)
 
+    def underrun(self, protocol: str, stall_s: float) -> None:
+        self.stream_underruns.labels(protocol).inc()
+        self.stream_underrun_seconds.labels(protocol).inc(stall_s)
+
+    def stream_played(self, protocol: str, *, underran: bool) -> None:
+        self.streams_played.labels(protocol, "underran" if underran else "real_time").inc()
+
+    @property
+    def api_process_figures(self) -> Callable[[], Mapping[int, Mapping[str, Any]]]:
+        """Every API process's figures by index, for the per-process families (set with more than one)."""
+        return self._service_collector.api_process_figures
+
+    @api_process_figures.setter
+    def api_process_figures(self, figures: Callable[[], Mapping[int, Mapping[str, Any]]]) -> None:
+        self._service_collector.api_process_figures = figures
+
     def samples(self) -> list[list[Any]]:
         """This process's own counters and histograms: [[family, [[sample, labels, value], ...]], ...]
         (plain values, for msgpack); `_created` timestamps are left out (they do not add up)."""
@@ -206,9 +291,10 @@ class _MergedRegistry:
             gateway = figures["gateway"]
             self._peers.setdefault("orpheus:open_connections", []).append(
                 ["orpheus:open_connections", {}, gateway["open_connections"]])
-            for protocol, count in gateway["active_streams"].items():
-                self._peers.setdefault("orpheus:active_streams", []).append(
-                    ["orpheus:active_streams", {"protocol": protocol}, count])
+            for name in ("active_streams", "underrunning_streams"):
+                for protocol, count in gateway[name].items():
+                    self._peers.setdefault(f"orpheus:{name}", []).append(
+                        [f"orpheus:{name}", {"protocol": protocol}, count])
 
     def collect(self) -> Iterator[Metric]:
         for family in self._metrics._service_collector.collect():
@@ -216,6 +302,7 @@ class _MergedRegistry:
         for metric in self._metrics._own:
             for family in metric.collect():
                 yield self._merged(family)
+        yield from self._metrics.ttfb_target.collect()  # the same in every process: not summed
 
     def _merged(self, family: Metric) -> Metric:
         totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}

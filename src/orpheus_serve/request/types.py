@@ -68,6 +68,10 @@ class AudioChunk:
     sample_rate: int = SAMPLE_RATE
     index: int = 0  # position of this chunk in the response, from 0
     start_sample: int = 0  # offset of its first sample in the response
+    # The first audio after an incremental text's client let its audio run out before sending more text:
+    # the gap before it (the wait for that text, then its first audio, like a new request's) is not an
+    # underrun (metrics/playback.py).
+    resumes_playback: bool = False
 
     @property
     def num_samples(self) -> int:

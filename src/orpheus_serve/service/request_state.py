@@ -44,6 +44,7 @@ class RequestState:
     index: int = 0  # AudioChunk index
     samples: int = 0  # samples out so far
     first_audio_at: float | None = None
+    resumes_playback: bool = False  # the client's audio ran out while its text was awaited (AudioChunk)
     reported: bool = False  # the request's outcome has been told to the observers
     # The text chunk after the current one and its session id, taken as soon as the current one has generated.
     following: TextChunk | None = None
@@ -70,7 +71,9 @@ class RequestState:
         if self.first_audio_at is None:
             self.first_audio_at = time.monotonic()
             self.metrics.ttfb_s = self.first_audio_at - self.received
-        chunk = AudioChunk(pcm=pcm, index=self.index, start_sample=self.samples)
+        chunk = AudioChunk(pcm=pcm, index=self.index, start_sample=self.samples,
+                           resumes_playback=self.resumes_playback)
+        self.resumes_playback = False
         self.index += 1
         self.samples += chunk.num_samples
         return chunk

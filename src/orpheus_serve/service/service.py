@@ -281,6 +281,7 @@ class TTSService:
         played_from = state.first_audio_at if state.first_audio_at is not None else now
         if req.text_input is not None and played_from + audio_before <= now:
             played_from, audio_before = now, 0.0
+            state.resumes_playback = k > 0
         sampling = resolve_sampling(self.config.sampling, req, chunk.text)
         if sampling.seed is not None and k:
             sampling = replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1))  # seeds wrap in 0..2^64-1
