@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .text_stream import TextStream
 
 # The wire protocols a request can arrive over; every table of protocols derives from this one.
-ProtocolName = Literal["rest", "ws", "grpc", "riva", "cartesia"]
+ProtocolName = Literal["rest", "ws", "grpc", "riva", "cartesia", "elevenlabs"]
 PROTOCOLS: tuple[ProtocolName, ...] = get_args(ProtocolName)
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
 import anyio
 from fastapi import Body, FastAPI, Request
@@ -34,7 +35,15 @@ from ..audio import CONTENT_TYPES
 from ..config import Config
 from ..metrics import PROMETHEUS_CONTENT_TYPE
 from ..synthesis import InvalidRequestError, SynthesisError
-from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
+from .errors import (
+    ELEVENLABS_PATHS,
+    UnauthorizedError,
+    elevenlabs_error_body,
+    error_body,
+    http_headers,
+    mapping_for,
+    openai_error_body,
+)
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
 from .schemas import (
     IGNORED_HEADER,
@@ -100,6 +109,9 @@ class ApiKeyMiddleware:
             scope, send, offered = _subprotocol_key(scope, send)
             if offered is not None and not authorization:
                 authorization = f"Bearer {offered}"
+        elevenlabs = scope["path"].startswith(ELEVENLABS_PATHS)
+        if elevenlabs and not authorization and (xi_key := _elevenlabs_key(scope, headers)):
+            authorization = f"Bearer {xi_key}"
         if not self.gateway.auth_required:
             await self.app(scope, receive, send)
             return
@@ -108,10 +120,13 @@ class ApiKeyMiddleware:
         except UnauthorizedError as exc:
             if scope["path"] in (SPEECH_PATH, STREAM_PATH):
                 self.gateway.refused("rest" if scope["type"] == "http" else "ws", exc)
+            elif elevenlabs:
+                self.gateway.refused("elevenlabs", exc)
+            body = elevenlabs_error_body(exc) if elevenlabs else error_body(exc)
             if scope["type"] == "http":
-                await _send_json(send, 401, error_body(exc), {"WWW-Authenticate": "Bearer"})
+                await _send_json(send, 401, body, {"WWW-Authenticate": "Bearer"})
             else:
-                await _deny_websocket(scope, receive, send, 401, error_body(exc))
+                await _deny_websocket(scope, receive, send, 401, body, str(exc))
             return
         await self.app(scope, receive, send)
 
@@ -146,7 +161,16 @@ def _subprotocol_key(scope: Scope, send: Send) -> tuple[Scope, Send, str | None]
     return {**scope, "subprotocols": others}, send_selecting, key
 
 
-async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: int, body: Any) -> None:
+def _elevenlabs_key(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
+    """The key as ElevenLabs clients send it: the `xi-api-key` header, or `?xi_api_key=` on a WebSocket."""
+    key = headers.get(b"xi-api-key", b"").decode("latin-1").strip()
+    if not key and scope["type"] == "websocket":
+        key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("xi_api_key", [""])[0].strip()
+    return key or None
+
+
+async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: int, body: Any,
+                          reason: str | None = None) -> None:
     """Refuse a WebSocket handshake with an HTTP status (ASGI denial response) or, failing that, close 1008."""
     message = await receive()
     if message["type"] != "websocket.connect":
@@ -158,7 +182,8 @@ async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: in
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "websocket.http.response.body", "body": payload})
     else:
-        await send({"type": "websocket.close", "code": 1008, "reason": body["error"]["message"][:120]})
+        await send({"type": "websocket.close", "code": 1008,
+                    "reason": (reason if reason is not None else body["error"]["message"])[:120]})
 
 
 class BodyLimitMiddleware:
