@@ -9,22 +9,53 @@ replay of the same text chunks (tests/cartesia_support.replay) for text streamed
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 import pytest
 from elevenlabs import VoiceSettings
 from elevenlabs.client import ElevenLabs
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
+from livekit.plugins import elevenlabs as lk_elevenlabs
+from pipecat.frames.frames import (
+    EndFrame,
+    Frame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    TTSAudioRawFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService
+from pipecat.workers.runner import WorkerRunner
 
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.audio import decode_audio
 from orpheus_serve.service import TTSService
 from orpheus_serve.word_timings import words_of
-from tests.cartesia_support import assert_same_audio
+from tests.cartesia_support import (
+    INTERRUPTED,
+    REPLY,
+    assert_same_audio,
+    before_cancel,
+    context_sessions,
+    replay,
+    stop_steps,
+)
+from tests.elevenlabs_support import TlsRelay, self_signed_certificate
 from tests.gateway_support import settled_stats, stats, tiny_config
 
 API_KEY = "sk-agent"
@@ -43,6 +74,14 @@ def greedy_server(tiny_orpheus: Path, tiny_snac: Path, **overrides: object) -> S
 @pytest.fixture(scope="module")
 def server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> Iterator[ServerThread]:
     srv = greedy_server(tiny_orpheus, tiny_snac)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def long_server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> Iterator[ServerThread]:
+    """Chunks of up to 50 frames (4 s): an answer is still generating when its first audio plays."""
+    srv = greedy_server(tiny_orpheus, tiny_snac, **{"sampling.max_tokens": 350})
     yield srv
     srv.stop()
 
@@ -129,3 +168,219 @@ def test_sdk_voices(server: ServerThread) -> None:
     assert client.voices.get("leo").name == "Leo"
     snapshot = settled_stats(lambda: stats(server))
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
+
+
+# ------------------------------------------------------------------ WebSockets: shared checks
+
+
+def response_chunks(server: ServerThread, reply: str) -> list[str]:
+    """The text chunks the server cut the latest response to `reply` into, in order."""
+    chunks = [e["text"] for e in context_sessions(server, reply.split(",")[0])]
+    assert words_of(" ".join(chunks)) == words_of(reply)
+    return chunks
+
+
+def idle(server: ServerThread) -> None:
+    snapshot = settled_stats(lambda: stats(server))
+    assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
+
+
+async def fake_llm(reply: str, gap_s: float = 0.05) -> AsyncIterator[str]:
+    """An LLM writing `reply` token by token (a word and its space)."""
+    for k, word in enumerate(reply.split(" ")):
+        if k:
+            await asyncio.sleep(gap_s)
+        yield word + " "
+
+
+# ------------------------------------------------------------------ the SDK's stream-input WebSocket
+
+
+def test_sdk_stream_input_websocket(server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`convert_realtime` always connects with wss://: through the TLS relay, trusted by SSL_CERT_FILE."""
+    cert, key = self_signed_certificate(tmp_path)
+    relay = TlsRelay(server.http_port, cert, key).start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    try:
+        client = ElevenLabs(base_url=f"https://127.0.0.1:{relay.port}", api_key=API_KEY)
+        audio = b"".join(client.text_to_speech.convert_realtime(
+            voice_id="tara", text=(word + " " for word in REPLY.split(" ")), model_id="eleven_flash_v2_5", output_format="pcm_24000",
+            voice_settings=STABLE))
+    finally:
+        relay.stop()
+    assert_same_audio(audio, asyncio.run(replay(server, response_chunks(server, REPLY))))
+    idle(server)
+
+
+# ------------------------------------------------------------------ LiveKit Agents
+
+
+def livekit_tts(server: ServerThread, session: aiohttp.ClientSession) -> lk_elevenlabs.TTS:
+    return lk_elevenlabs.TTS(base_url=f"{server.base_url}/v1", api_key=API_KEY, http_session=session,
+                             voice_id="tara", encoding="pcm_24000",
+                             voice_settings=lk_elevenlabs.VoiceSettings(stability=1.0, similarity_boost=0.75))
+
+
+def test_livekit_stream_word_by_word_and_synthesize(server: ServerThread) -> None:
+    async def scenario() -> tuple[bytes, list[tuple[str, float, float]], float, float, bytes]:
+        async with aiohttp.ClientSession() as session:
+            tts = livekit_tts(server, session)
+            try:
+                stream = tts.stream()
+                ended_at = 0.0
+
+                async def feed() -> None:
+                    nonlocal ended_at
+                    async for word in fake_llm(REPLY):
+                        stream.push_text(word)
+                    stream.end_input()
+                    ended_at = time.perf_counter()
+
+                feeder = asyncio.create_task(feed())
+                audio = bytearray()
+                timed: list[tuple[str, float, float]] = []
+                first_at = 0.0
+                async for event in stream:
+                    first_at = first_at or time.perf_counter()
+                    audio += bytes(event.frame.data.cast("b"))
+                    for piece in event.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT) or ():
+                        timed.append((str(piece), piece.start_time, piece.end_time))
+                await feeder
+                await stream.aclose()
+                whole = bytearray()
+                async for event in tts.synthesize(SENTENCE):
+                    whole += bytes(event.frame.data.cast("b"))
+                return bytes(audio), timed, ended_at, first_at, bytes(whole)
+            finally:
+                await tts.aclose()
+
+    audio, timed, ended_at, first_at, whole = asyncio.run(scenario())
+    assert first_at < ended_at, "no audio before the LLM finished writing"
+    assert_same_audio(audio, asyncio.run(replay(server, response_chunks(server, REPLY))))
+    assert [w for text, _, _ in timed for w in words_of(text)] == words_of(REPLY)
+    # LiveKit's emitter ends the audio with a short stretch of silence (padding to its frame size).
+    native = native_pcm(server, SENTENCE)
+    assert_same_audio(whole[:len(native)], native)
+    assert len(whole) - len(native) <= 2 * 480 and not any(whole[len(native):])  # at most 20 ms
+    idle(server)
+
+
+# ------------------------------------------------------------------ Pipecat
+
+
+class Recorder(FrameProcessor):
+    """The end of the pipeline: every frame that reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: list[tuple[float, Frame]] = []
+        self.changed = asyncio.Event()
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        self.frames.append((time.perf_counter(), frame))
+        self.changed.set()
+        await self.push_frame(frame, direction)
+
+    async def wait_for(self, kind: type, count: int = 1, timeout_s: float = 120.0) -> None:
+        async def until() -> None:
+            while sum(isinstance(f, kind) for _, f in self.frames) < count:
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(until(), timeout_s)
+
+    def audio(self) -> bytes:
+        return b"".join(f.audio for _, f in self.frames if isinstance(f, TTSAudioRawFrame))
+
+
+async def run_pipecat(tts: Any, script: Any) -> Recorder:
+    """A pipeline `tts -> Recorder`; `script(worker, recorder)` drives it, then it ends."""
+    recorder = Recorder()
+    worker = PipelineWorker(Pipeline([tts, recorder]), params=PipelineParams(audio_out_sample_rate=24000),
+                            cancel_on_idle_timeout=False)
+    started = asyncio.Event()
+
+    @worker.event_handler("on_pipeline_started")
+    async def on_started(worker: PipelineWorker, frame: Frame) -> None:
+        started.set()
+
+    async def drive() -> None:
+        await asyncio.wait_for(started.wait(), 30)
+        try:
+            await script(worker, recorder)
+        finally:
+            await worker.queue_frame(EndFrame())
+
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    await asyncio.gather(runner.run(), drive())
+    return recorder
+
+
+async def pipecat_reply(worker: PipelineWorker, reply: str, gap_s: float = 0.05) -> None:
+    await worker.queue_frame(LLMFullResponseStartFrame())
+    async for token in fake_llm(reply, gap_s):
+        await worker.queue_frame(LLMTextFrame(token))
+    await worker.queue_frame(LLMFullResponseEndFrame())
+
+
+def pipecat_ws(server: ServerThread) -> ElevenLabsTTSService:
+    return ElevenLabsTTSService(api_key=API_KEY, url=f"ws://127.0.0.1:{server.http_port}", sample_rate=24000,
+                                settings=ElevenLabsTTSService.Settings(voice="tara", stability=1.0))
+
+
+def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> None:
+    """A whole answer (audio and word timestamps), then one interrupted mid-answer: the context is closed
+    without a flush, the server stops its generation, and the next answer on the socket is untouched."""
+    server = long_server
+    measured: dict[str, Any] = {}
+
+    async def script(worker: PipelineWorker, recorder: Recorder) -> None:
+        await pipecat_reply(worker, REPLY, 0.0)
+        await recorder.wait_for(TTSStoppedFrame)
+        measured["reply"] = recorder.audio()
+        measured["chunks"] = response_chunks(server, REPLY)
+        await pipecat_reply(worker, INTERRUPTED, 0.0)
+        await recorder.wait_for(TTSAudioRawFrame, count=sum(isinstance(f, TTSAudioRawFrame)
+                                                            for _, f in recorder.frames) + 1)
+        at_cancel = before_cancel(server, "elevenlabs")
+        await worker.queue_frame(InterruptionFrame())  # the user starts talking
+        measured["stopped_within"] = await stop_steps(server, INTERRUPTED[:20], at_cancel, protocol="elevenlabs")
+        measured["after"] = len(recorder.frames)
+        await pipecat_reply(worker, SENTENCE, 0.0)
+        await recorder.wait_for(TTSStoppedFrame, count=2)
+
+    recorder = asyncio.run(run_pipecat(pipecat_ws(server), script))
+    assert_same_audio(measured["reply"], asyncio.run(replay(server, measured["chunks"])))
+    texts = [f for _, f in recorder.frames if isinstance(f, TTSTextFrame)]
+    assert words_of(" ".join(f.text for f in texts))[:len(words_of(REPLY))] == words_of(REPLY)
+    from_send, from_server = measured["stopped_within"]
+    print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
+          f"{from_server}")
+    assert from_server <= 2, from_server
+    assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
+    later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
+    assert_same_audio(later, asyncio.run(replay(server, response_chunks(server, SENTENCE))))
+    idle(server)
+
+
+def test_pipecat_http_service(server: ServerThread) -> None:
+    async def scenario() -> Recorder:
+        async with aiohttp.ClientSession() as session:
+            tts = ElevenLabsHttpTTSService(api_key=API_KEY, aiohttp_session=session, base_url=server.base_url,
+                                           sample_rate=24000,
+                                           settings=ElevenLabsHttpTTSService.Settings(voice="tara"))
+
+            async def script(worker: PipelineWorker, recorder: Recorder) -> None:
+                await pipecat_reply(worker, SENTENCE, 0.0)
+                await recorder.wait_for(TTSStoppedFrame)
+
+            return await run_pipecat(tts, script)
+
+    recorder = asyncio.run(scenario())
+    assert_same_audio(recorder.audio(), native_pcm(server, SENTENCE))
+    texts = [f for _, f in recorder.frames if isinstance(f, TTSTextFrame)]
+    assert [w for f in texts for w in words_of(f.text)] == words_of(SENTENCE)
+    idle(server)
+

@@ -31,8 +31,9 @@ WebSocket /v1/text-to-speech/{voice_id}/multi-stream-input (many contexts per so
     the first message of a context opens it (`voice_settings` fixed from then on); `{"text": ""}` keeps it alive;
     `{"flush": true}` speaks what is buffered now;
     `{"close_context": true}` ends it: after a flush with nothing sent since, the flushed audio finishes and
-        `isFinal` follows; with text sent since the last flush (or never flushed) it is a barge-in: generation
-        stops now, nothing more is sent but `{"isFinal": true, "contextId"}`;
+        `isFinal` follows (the end of an answer, as LiveKit and Pipecat send it); with text sent since the last
+        flush, none ever flushed, or on a context closed already, it is a barge-in: generation stops now and
+        nothing more is sent but `{"isFinal": true, "contextId"}`;
     `{"close_socket": true}` ends every context's text; the socket closes once all are spoken.
 
 Voices: an Orpheus voice (or OpenAI alias) as `voice_id`; any other id is 404 `voice_not_found`.
@@ -85,6 +86,7 @@ MAX_CONTEXTS_PER_CONNECTION = 32
 # Finished context ids remembered per socket, so text in flight after a close_context does not reopen one.
 FINISHED_MEMORY = 256
 CLOSE_POLICY_VIOLATION = 1008
+SENTENCE_END = ".!?"
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 
@@ -439,6 +441,7 @@ class _Context:
     # Text pushed since the last flush: a close_context then is a barge-in, not the end of an answer.
     unflushed: bool = False
     flushed: bool = False
+    sentence_ended: bool = False  # the last piece ended with a sentence mark and no space
 
 
 @dataclass(slots=True)
@@ -582,8 +585,10 @@ class ElevenLabsSocket:
         ctx = self._contexts.get(context_id)
         if self.spec.multi and wire.close_context:
             if ctx is not None:
-                await self._close_context(ctx, graceful=ctx.flushed and not ctx.unflushed)
-            else:
+                # After a flush with nothing sent since, the end of an answer; otherwise (text not flushed, or
+                # the context closed already) a barge-in.
+                await self._close_context(ctx, graceful=ctx.flushed and not ctx.unflushed and not ctx.text.ended)
+            elif context_id not in self._finished:
                 await self._send(self._reply(context_id, isFinal=True))
             return None
         if ctx is None:
@@ -598,7 +603,12 @@ class ElevenLabsSocket:
         try:
             piece = wire.text or ""
             if piece.strip():
+                if ctx.sentence_ended and piece[0].isupper():
+                    # Pipecat sends whole sentences with no space between them ("...that.The weather"): a
+                    # capital right after a sentence end starts a new sentence.
+                    piece = " " + piece
                 ctx.text.push(piece)
+                ctx.sentence_ended = piece[-1] in SENTENCE_END
                 ctx.unflushed = True
             if wire.flush:
                 ctx.text.flush()
