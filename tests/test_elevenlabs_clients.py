@@ -44,6 +44,7 @@ from pipecat.workers.runner import WorkerRunner
 
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.audio import decode_audio
+from orpheus_serve.client.protocols import synthesize
 from orpheus_serve.service import TTSService
 from orpheus_serve.word_timings import words_of
 from tests.cartesia_support import (
@@ -159,6 +160,14 @@ def test_sdk_with_timestamps(server: ServerThread) -> None:
     assert_same_audio(bytes(audio), native)
     assert chars == whole.alignment.characters
     assert np.allclose(starts, whole.alignment.character_start_times_seconds, atol=0.02)
+
+
+def test_own_client_speaks_elevenlabs(server: ServerThread) -> None:
+    """client.py / the benchmark's `--protocol elevenlabs` (also one of the `mixed` protocols)."""
+    result = asyncio.run(synthesize("elevenlabs", SENTENCE, url=server.base_url, api_key=API_KEY, voice="tara"))
+    assert result.status == "ok", result.error
+    refused = asyncio.run(synthesize("elevenlabs", SENTENCE, url=server.base_url, api_key=API_KEY, voice="nobody"))
+    assert (refused.status, refused.code) == ("error", "voice_not_found")
 
 
 def test_sdk_voices(server: ServerThread) -> None:

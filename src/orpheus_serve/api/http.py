@@ -193,9 +193,11 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self) -> dict[str, Any]:
-        return openai_error_body(f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)",
-                                 code="request_too_large")
+    def _too_large(self, path: str) -> dict[str, Any]:
+        message = f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)"
+        if path.startswith(ELEVENLABS_PATHS):
+            return {"detail": {"status": "request_too_large", "message": message}}
+        return openai_error_body(message, code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -204,7 +206,7 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await _send_json(send, 413, self._too_large())
+            await _send_json(send, 413, self._too_large(scope["path"]))
             return
         # Read the body here (bounded), then replay it: chunked uploads are counted too.
         body = bytearray()
@@ -214,7 +216,7 @@ class BodyLimitMiddleware:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                await _send_json(send, 413, self._too_large())
+                await _send_json(send, 413, self._too_large(scope["path"]))
                 return
             if not message.get("more_body", False):
                 break
