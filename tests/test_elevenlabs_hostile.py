@@ -17,6 +17,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_serve.api.server import ServerThread
+from orpheus_serve.word_timings import words_of
 from tests.gateway_support import settled_stats, start_server, stats, tiny_config
 
 API_KEY = "sk-eleven"
@@ -159,3 +160,40 @@ def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) 
     snapshot = settled_stats(lambda: stats(server))
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
     assert snapshot["gateway"]["open_connections"] == 0
+
+
+def test_stream_input_alignment_spans_the_audio(server: ServerThread) -> None:
+    """The stream-input protocol as the SDK speaks it: audio, then each chunk's alignment in ms from that
+    chunk's first sample; the spans add up to the audio's length and the characters spell the text."""
+    text = "Sure, I can help with that. The weather today is sunny, with a light breeze."
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with connect(ws_url(server, "tara/stream-input"), additional_headers=KEY) as ws:
+            await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 1.0, "similarity_boost": 0.8},
+                                      "generation_config": {"chunk_length_schedule": [50]},
+                                      "try_trigger_generation": True}))
+            for word in text.split(" "):
+                await ws.send(json.dumps({"text": word + " ", "try_trigger_generation": True}))
+            await ws.send(json.dumps({"text": ""}))
+            replies = await receive_all(ws)
+            assert ws.close_code == 1000
+            return replies
+
+    replies = asyncio.run(scenario())
+    assert replies[-1] == {"isFinal": True}
+    audio_ms = sum(len(base64.b64decode(r["audio"])) for r in replies if r.get("audio")) / 2 / 24
+    alignments = [r["alignment"] for r in replies if r.get("alignment")]
+    assert alignments and all(r["normalizedAlignment"] == r["alignment"] for r in replies if r.get("alignment"))
+    assert words_of("".join(c for a in alignments for c in a["chars"])) == words_of(text)
+    spans = [a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] for a in alignments]
+    assert sum(spans) == pytest.approx(audio_ms, abs=2 * len(spans))
+    for a in alignments:
+        assert a["charStartTimesMs"] == sorted(a["charStartTimesMs"]) and min(a["charDurationsMs"]) >= 0
+
+    async def ended_at_once() -> int | None:
+        async with connect(ws_url(server, "tara/stream-input"), additional_headers=KEY) as ws:
+            await ws.send(json.dumps({"text": ""}))
+            assert await receive_all(ws) == []
+            return ws.close_code
+
+    assert asyncio.run(ended_at_once()) == 1000

@@ -361,6 +361,7 @@ async def _whole_with_timestamps(stream: SpeechStream) -> dict[str, Any]:
 
 
 def _add_rest_routes(app: FastAPI, gateway: Gateway) -> None:
+    # Left out of /openapi.json, which describes this server's own API; docs/API.md describes these routes.
     async def speak(request: Request, voice_id: str, kind: Literal["audio", "lines", "json"]) -> Response:
         received_at = request.scope.get(RECEIVED_AT_KEY, time.perf_counter())
         wire = _RestRequest(voice_id, await request.body(), request.query_params.get("output_format"),
@@ -391,28 +392,28 @@ def _add_rest_routes(app: FastAPI, gateway: Gateway) -> None:
         assert wire.fmt is not None
         return SpeechResponse(stream, stream.audio(), media_type=wire.fmt.media_type, headers=headers)
 
-    @app.post(TTS_PATH, tags=["elevenlabs"], summary="ElevenLabs: text to speech")
+    @app.post(TTS_PATH, include_in_schema=False, summary="ElevenLabs: text to speech")
     async def convert(request: Request, voice_id: str) -> Response:
         return await speak(request, voice_id, "audio")
 
-    @app.post(TTS_PATH + "/stream", tags=["elevenlabs"], summary="ElevenLabs: text to speech, streamed")
+    @app.post(TTS_PATH + "/stream", include_in_schema=False, summary="ElevenLabs: text to speech, streamed")
     async def stream(request: Request, voice_id: str) -> Response:
         return await speak(request, voice_id, "audio")
 
-    @app.post(TTS_PATH + "/with-timestamps", tags=["elevenlabs"], summary="ElevenLabs: with character timings")
+    @app.post(TTS_PATH + "/with-timestamps", include_in_schema=False, summary="ElevenLabs: with character timings")
     async def with_timestamps(request: Request, voice_id: str) -> Response:
         return await speak(request, voice_id, "json")
 
-    @app.post(TTS_PATH + "/stream/with-timestamps", tags=["elevenlabs"],
+    @app.post(TTS_PATH + "/stream/with-timestamps", include_in_schema=False,
               summary="ElevenLabs: streamed, with character timings (one JSON object per line)")
     async def stream_with_timestamps(request: Request, voice_id: str) -> Response:
         return await speak(request, voice_id, "lines")
 
-    @app.get(VOICES_PATH, tags=["elevenlabs"], summary="ElevenLabs: the voices")
+    @app.get(VOICES_PATH, include_in_schema=False, summary="ElevenLabs: the voices")
     async def voices() -> dict[str, Any]:
         return {"voices": [voice_card(v) for v in VOICES], "has_more": False, "total_count": len(VOICES)}
 
-    @app.get(VOICES_PATH + "/{voice_id}", tags=["elevenlabs"], summary="ElevenLabs: one voice")
+    @app.get(VOICES_PATH + "/{voice_id}", include_in_schema=False, summary="ElevenLabs: one voice")
     async def voice(voice_id: str) -> Response:
         try:
             return JSONResponse(voice_card(orpheus_voice(voice_id)))
@@ -591,6 +592,12 @@ class ElevenLabsSocket:
             elif context_id not in self._finished:
                 await self._send(self._reply(context_id, isFinal=True))
             return None
+        if not self.spec.multi and wire.text == "" and not wire.flush:
+            # stream-input: the empty text ends the input (and the socket, once the audio is out).
+            self._closing = True
+            if ctx is not None:
+                ctx.text.end()
+            return None
         if ctx is None:
             opens = (wire.text is not None and wire.text != "") or bool(wire.flush)
             if self._closing or not opens or context_id in self._finished:
@@ -602,20 +609,17 @@ class ElevenLabsSocket:
             ctx = self._open(context_id, wire)
         try:
             piece = wire.text or ""
-            if piece.strip():
+            if piece:  # spaces too: a token that is only a space separates the words around it
                 if ctx.sentence_ended and piece[0].isupper():
                     # Pipecat sends whole sentences with no space between them ("...that.The weather"): a
                     # capital right after a sentence end starts a new sentence.
                     piece = " " + piece
                 ctx.text.push(piece)
                 ctx.sentence_ended = piece[-1] in SENTENCE_END
-                ctx.unflushed = True
+                ctx.unflushed = ctx.unflushed or bool(piece.strip())
             if wire.flush:
                 ctx.text.flush()
                 ctx.flushed, ctx.unflushed = True, False
-            if not self.spec.multi and wire.text == "" and not wire.flush:
-                ctx.text.end()  # stream-input: the empty text ends the input
-                self._closing = True
         except InvalidRequestError as exc:
             if ctx.task is not None:
                 await self._stop(ctx)
