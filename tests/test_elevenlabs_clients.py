@@ -339,6 +339,7 @@ def pipecat_ws(server: ServerThread) -> ElevenLabsTTSService:
                                 settings=ElevenLabsTTSService.Settings(voice="tara", stability=1.0))
 
 
+@pytest.mark.slow  # the longest of these (about 45 s on two shared cores): an answer, a barge-in, another answer
 def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> None:
     """A whole answer (audio and word timestamps), then one interrupted mid-answer: the context is closed
     without a flush, the server stops its generation, and the next answer on the socket is untouched."""

@@ -65,6 +65,10 @@ def test_rest_refusals_are_elevenlabs_shaped(server: ServerThread) -> None:
     check_detail(tts(server, "/v1/text-to-speech/nobody/with-timestamps", json={"text": TEXT}), 404,
                  "voice_not_found")
     check_detail(httpx.get(f"{server.base_url}/v1/voices/nobody", headers=KEY), 404, "voice_not_found")
+    # Routes ElevenLabs has and this server does not, and a wrong method, in ElevenLabs' shape too.
+    check_detail(tts(server, "/v1/text-to-speech/tara/unknown", json={"text": TEXT}), 404, "not_found")
+    check_detail(httpx.get(f"{server.base_url}/v1/text-to-speech/tara/stream", headers=KEY), 405,
+                 "method_not_allowed")
     # The API key: missing or wrong, in ElevenLabs' shape, before the body is read.
     check_detail(tts(server, json={"text": TEXT}, headers={}), 401, "invalid_api_key")
     check_detail(tts(server, json={"text": TEXT}, headers={"xi-api-key": "wrong"}), 401, "invalid_api_key")

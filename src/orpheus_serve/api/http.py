@@ -402,8 +402,9 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             message = f"no route for {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed for {request.url.path}"
-        return JSONResponse(openai_error_body(message, param=None, code=code), status_code=exc.status_code,
-                            headers=dict(exc.headers or {}))
+        body = {"detail": {"status": code, "message": message}} if request.url.path.startswith(ELEVENLABS_PATHS) \
+            else openai_error_body(message, param=None, code=code)
+        return JSONResponse(body, status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
