@@ -318,7 +318,8 @@ async def synthesize_elevenlabs(base_url: str, text: str, *, voice: str | None =
                                 client: httpx.AsyncClient | None = None, timeout_s: float = 300.0,
                                 **sampling: Any) -> ClientResult:
     """POST /v1/text-to-speech/{voice}/stream (the ElevenLabs-compatible API), streaming the body. Sampling
-    options travel as ElevenLabs carries them: `seed`, and the temperature as `voice_settings.stability`."""
+    options travel as ElevenLabs carries them: `seed`, and the temperature as `voice_settings.stability`;
+    the others (max_tokens, top_p, ...) have no ElevenLabs field and are not sent."""
     rate = {"mulaw": 8000, "alaw": 8000, "mp3": 44100, "opus": 48000}.get(fmt, sample_rate or SAMPLE_RATE)
     result = ClientResult("elevenlabs", time.perf_counter(), format=fmt, sample_rate=rate, text_chars=len(text))
     if fmt not in _ELEVENLABS_FORMATS:
