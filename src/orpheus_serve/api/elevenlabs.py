@@ -56,7 +56,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
@@ -445,12 +445,13 @@ class _Context:
     sentence_ended: bool = False  # the last piece ended with a sentence mark and no space
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _SocketSpec:
+    """What the handshake fixes: the voice (from the path), the output format (query), the protocol."""
+
     voice: str
     fmt: OutputFormat
-    multi: bool
-    contexts: dict[str | None, _Context] = field(default_factory=dict)
+    multi: bool  # multi-stream-input (contexts by id) or stream-input (one context)
 
 
 class ElevenLabsSocket:
@@ -460,7 +461,7 @@ class ElevenLabsSocket:
         self.ws = websocket
         self.gateway = gateway
         self.spec = spec
-        self._contexts = spec.contexts
+        self._contexts: dict[str | None, _Context] = {}  # open contexts (stream-input: the one, under None)
         self._send_lock = asyncio.Lock()
         self._send_timeout_s = gateway.config.server.stalled_client_timeout_s
         self._inbox: asyncio.Queue[tuple[dict[str, Any], float]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
