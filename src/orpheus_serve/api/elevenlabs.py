@@ -622,18 +622,20 @@ class ElevenLabsSocket:
                 ctx.text.flush()
                 ctx.flushed, ctx.unflushed = True, False
         except InvalidRequestError as exc:
-            if ctx.task is not None:
-                await self._stop(ctx)
-            else:
+            if ctx.task is None:
                 self._contexts.pop(context_id, None)
-            return await self._refuse(exc, context_id)
+                return await self._refuse(exc, context_id)
+            await self._stop(ctx)  # a running context cannot go on: its stream is counted as it closes
+            return await self._refuse(exc, context_id, count=False)
         if ctx.task is None:
             ctx.task = asyncio.create_task(self._speak(ctx, received_at), name=f"elevenlabs-{context_id}")
         return None
 
-    async def _refuse(self, exc: InvalidRequestError, context_id: str | None = None) -> int | None:
+    async def _refuse(self, exc: InvalidRequestError, context_id: str | None = None, *, count: bool = True
+                      ) -> int | None:
         """A message that cannot be used: an error message; stream-input then closes (as ElevenLabs does)."""
-        self.gateway.refused(PROTOCOL, exc)
+        if count:
+            self.gateway.refused(PROTOCOL, exc)
         await self._error(exc, context_id)
         return None if self.spec.multi else CLOSE_POLICY_VIOLATION
 
@@ -649,9 +651,7 @@ class ElevenLabsSocket:
 
     async def _close_context(self, ctx: _Context, *, graceful: bool) -> None:
         if graceful:
-            ctx.text.end()
-            if ctx.task is None:
-                ctx.task = asyncio.create_task(self._speak(ctx, time.perf_counter()))
+            ctx.text.end()  # its task speaks what is left, then sends isFinal
             return
         await self._stop(ctx)
         await self._send(self._reply(ctx.context_id, isFinal=True))
