@@ -19,7 +19,7 @@ import pytest
 
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.synthesis import PROTOCOLS
+from orpheus_serve.request.types import PROTOCOLS
 from tests.gateway_support import metric_values, wait_for
 from tests.test_engine_process import _grpc_until_error, _grpc_whole, _sse_until_error, _ws_until_error, _ws_whole
 

@@ -16,8 +16,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.service.word_timings import words_of
 from tests.gateway_support import settled_stats, start_server, stats, tiny_config
 
 API_KEY = "sk-eleven"

@@ -15,8 +15,9 @@ from orpheus_serve.api.elevenlabs import (
     output_format,
     socket_alignment,
 )
-from orpheus_serve.audio import check_output_options
-from orpheus_serve.synthesis import ChunkTimings, InvalidRequestError, WordTiming
+from orpheus_serve.audio.encoding import check_output_options
+from orpheus_serve.request.errors import InvalidRequestError
+from orpheus_serve.request.types import ChunkTimings, WordTiming
 
 
 def test_every_output_format_can_be_served() -> None:

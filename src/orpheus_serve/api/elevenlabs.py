@@ -63,14 +63,16 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..audio import CONTENT_TYPES, MAX_SPEED, MIN_SPEED
-from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES, UnknownVoiceError, resolve_voice
-from ..synthesis import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
-from ..word_timings import words_of
+from ..audio.encoding import CONTENT_TYPES, MAX_SPEED, MIN_SPEED
+from ..request.errors import ClientStalledError, InvalidRequestError, SynthesisError
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, SynthesisRequest
+from ..service.word_timings import words_of
+from ..token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES, UnknownVoiceError, resolve_voice
 from .errors import TooManyConnectionsError, elevenlabs_error_body, http_headers, mapping_for
 from .gateway import Gateway, OutputOptions, SpeechStream
-from .http import RECEIVED_AT_KEY, SpeechResponse, body_parse_error
+from .json_frames import json_object_frame
+from .responses import RECEIVED_AT_KEY, SpeechResponse, body_parse_error, client_disconnected
 
 log = logging.getLogger(__name__)
 
@@ -318,11 +320,6 @@ class _RestRequest:
         return request, OutputOptions(self.fmt.format, self.fmt.sample_rate, settings.speed)
 
 
-async def _client_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        continue
-
-
 def _line(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
@@ -368,7 +365,7 @@ def _add_rest_routes(app: FastAPI, gateway: Gateway) -> None:
                             timestamps=kind != "audio")
         try:
             stream = await gateway.admit(PROTOCOL, wire.build, received_at=received_at,
-                                         disconnected=lambda: _client_disconnected(request))
+                                         disconnected=lambda: client_disconnected(request))
         except SynthesisError as exc:
             return error_response(exc)
         if stream is None:  # the client left while queued; nobody reads this
@@ -563,16 +560,10 @@ class ElevenLabsSocket:
     # ---- client messages
 
     async def _handle(self, message: dict[str, Any], received_at: float) -> int | None:
-        text = message.get("text")
-        if text is None:
-            return await self._refuse(InvalidRequestError("binary messages are not accepted; send JSON text"))
         try:
-            body = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-            detail = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
-            return await self._refuse(InvalidRequestError(f"message is not valid JSON: {detail}"))
-        if not isinstance(body, dict):
-            return await self._refuse(InvalidRequestError("a message must be a JSON object"))
+            body = json_object_frame(message)
+        except InvalidRequestError as exc:
+            return await self._refuse(exc)
         try:
             wire = SocketMessage.model_validate(body)
         except ValidationError as exc:
@@ -706,7 +697,7 @@ class ElevenLabsSocket:
         assert stream is not None  # None only with a `disconnected` probe
         speaking = asyncio.current_task()
         assert speaking is not None
-        watcher = asyncio.create_task(_cancel_when_stalled(stream, speaking))
+        watcher = asyncio.create_task(stream.cancel_when_stalled(speaking.cancel))
         stalled: ClientStalledError | None = None
         try:
             async for event in stream.events():
@@ -733,11 +724,6 @@ class ElevenLabsSocket:
             watcher.cancel()
             await stream.close(stalled)
         await self._send(self._reply(ctx.context_id, isFinal=True))
-
-
-async def _cancel_when_stalled(stream: SpeechStream, speaking: asyncio.Task[Any]) -> None:
-    await stream.stalled.wait()
-    speaking.cancel()
 
 
 def _add_socket_routes(app: FastAPI, gateway: Gateway) -> None:
