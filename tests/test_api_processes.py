@@ -19,6 +19,7 @@ import pytest
 
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.request.types import PROTOCOLS
 from tests.gateway_support import metric_values, wait_for
 from tests.test_engine_process import _grpc_until_error, _grpc_whole, _sse_until_error, _ws_until_error, _ws_whole
 
@@ -128,7 +129,7 @@ def test_two_api_processes_share_the_ports_stats_core_deaths_and_a_drain(tiny_or
                         for protocol in ("rest", "ws", "grpc")} == {"rest": 8.0, "ws": 8.0, "grpc": 8.0}, requests
                 assert metric_values(text, "orpheus:time_to_first_audio_seconds_count") == {"": 24.0}
                 assert metric_values(text, "orpheus:active_streams") == {
-                    f'{{protocol="{protocol}"}}': 0.0 for protocol in ("rest", "ws", "grpc", "riva", "cartesia")}
+                    f'{{protocol="{protocol}"}}': 0.0 for protocol in PROTOCOLS}
                 assert set(metric_values(text, "orpheus:underrunning_streams").values()) == {0.0}
                 # Every stream that had audio, counted once whichever process served it (real-time or not).
                 played = metric_values(text, "orpheus:streams_played_total")

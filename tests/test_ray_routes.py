@@ -1,5 +1,5 @@
 """Every deployment serves the same routes: the Ray Serve replica's app is the server's app (create_app is
-the one place routes are composed), the Cartesia WebSocket included."""
+the one place routes are composed), the Cartesia WebSocket and the ElevenLabs routes included."""
 
 from __future__ import annotations
 
@@ -45,4 +45,6 @@ def test_the_ray_replica_serves_exactly_the_servers_routes(tiny_orpheus: Path) -
     served = route_table(server.app)
     assert ("WEBSOCKET", "/tts/websocket") in served and ("WEBSOCKET", "/v1/audio/stream") in served
     assert ("POST", "/v1/audio/speech") in served
+    assert ("POST", "/v1/text-to-speech/{voice_id}/stream") in served
+    assert ("WEBSOCKET", "/v1/text-to-speech/{voice_id}/multi-stream-input") in served
     assert route_table(replica_app) == served

@@ -96,6 +96,15 @@ def error_body(exc: SynthesisError) -> dict[str, Any]:
                              param=getattr(exc, "param", None), code=exc.code)
 
 
+# The ElevenLabs-compatible routes (elevenlabs.py): their errors, the API key's included, take ElevenLabs' shape.
+ELEVENLABS_PATHS = ("/v1/text-to-speech/", "/v1/voices")
+
+
+def elevenlabs_error_body(exc: SynthesisError) -> dict[str, Any]:
+    """ElevenLabs' error body: `{"detail": {"status": <code>, "message"}}`."""
+    return {"detail": {"status": exc.code, "message": str(exc) or exc.__class__.__name__}}
+
+
 def http_headers(exc: SynthesisError) -> dict[str, str]:
     retry = retry_after_s(exc)
     # Retry-After takes whole seconds; never advertise 0 (an immediate retry storm).

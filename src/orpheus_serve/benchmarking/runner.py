@@ -94,7 +94,7 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
                 await asyncio.sleep(spec.ramp_s * index / spec.concurrency)  # arrival schedule
             async with semaphore:
                 kwargs: dict[str, Any] = {"voice": voice, "fmt": "pcm", **sampling}
-                if protocol == "rest":
+                if protocol in ("rest", "elevenlabs"):
                     kwargs["client"] = http
                 elif protocol in ("grpc", "riva"):
                     kwargs["channel"] = channel

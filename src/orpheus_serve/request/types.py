@@ -13,7 +13,7 @@ from typing import Literal, Protocol, get_args
 from ..token_format import SAMPLE_RATE
 
 # The wire protocols a request can arrive over; every table of protocols derives from this one.
-ProtocolName = Literal["rest", "ws", "grpc", "riva", "cartesia"]
+ProtocolName = Literal["rest", "ws", "grpc", "riva", "cartesia", "elevenlabs"]
 PROTOCOLS: tuple[ProtocolName, ...] = get_args(ProtocolName)
 
 
