@@ -34,6 +34,7 @@ from ..audio import CONTENT_TYPES
 from ..config import Config
 from ..metrics import PROMETHEUS_CONTENT_TYPE
 from ..synthesis import InvalidRequestError, SynthesisError
+from .cartesia import CARTESIA_PREFIX, http_error_body
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
 from .schemas import (
@@ -168,9 +169,11 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self) -> dict[str, Any]:
-        return openai_error_body(f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)",
-                                 code="request_too_large")
+    def _too_large(self, path: str) -> dict[str, Any]:
+        message = f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)"
+        if path.startswith(CARTESIA_PREFIX):  # Cartesia's endpoints answer in Cartesia's shape
+            return http_error_body("request_too_large", 413, message)
+        return openai_error_body(message, code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -179,7 +182,7 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await _send_json(send, 413, self._too_large())
+            await _send_json(send, 413, self._too_large(scope["path"]))
             return
         # Read the body here (bounded), then replay it: chunked uploads are counted too.
         body = bytearray()
@@ -189,7 +192,7 @@ class BodyLimitMiddleware:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                await _send_json(send, 413, self._too_large())
+                await _send_json(send, 413, self._too_large(scope["path"]))
                 return
             if not message.get("more_body", False):
                 break

@@ -38,6 +38,7 @@ from ..config import Config
 from ..mp_client import MPClient
 from ..stats import api_process_figures
 from .cartesia import add_cartesia_route
+from .cartesia_http import add_cartesia_http_routes
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
 from .http import create_app
@@ -104,6 +105,7 @@ class OrpheusServer:
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
         add_cartesia_route(self.app, self.gateway)
+        add_cartesia_http_routes(self.app, self.gateway)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._uvicorn: _UvicornServer | None = None
