@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ from pipecat.workers.runner import WorkerRunner
 from orpheus_serve.api.server import ServerThread
 from orpheus_serve.audio import decode_audio, g711_decode
 from orpheus_serve.service import TTSService
+from orpheus_serve.synthesis import AudioChunk, ChunkTimings, EngineFailureError, SynthesisMetrics, SynthesisRequest
 from orpheus_serve.word_timings import words_of
-from tests.cartesia_support import assert_same_audio
+from tests.cartesia_support import REPLY, assert_same_audio
 from tests.gateway_support import settled_stats, stats, tiny_config
 from tests.test_cartesia_clients import Recorder
 
@@ -48,6 +50,30 @@ def server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> Itera
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "scheduler.admission": "slots",
                                                      "server.api_keys": [API_KEY]})
     srv = ServerThread(config, TTSService.from_config(config)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def long_server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> Iterator[ServerThread]:
+    """Chunks of up to 50 frames (4 s): a reply is still generating when its first audio is out. A request
+    whose transcript starts with "Fail" meets an engine failure after its first audio chunk (injected into
+    the real service: Orpheus on CPU does not fail by itself)."""
+    config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "sampling.max_tokens": 350,
+                                                     "server.api_keys": [API_KEY]})
+    service = TTSService.from_config(config)
+    synthesize = service.synthesize
+
+    async def failing_after_first_chunk(req: SynthesisRequest
+                                        ) -> AsyncIterator[AudioChunk | ChunkTimings | SynthesisMetrics]:
+        async with contextlib.aclosing(synthesize(req)) as items:
+            async for item in items:
+                yield item
+                if isinstance(item, AudioChunk) and req.text.startswith("Fail"):
+                    raise EngineFailureError("injected engine failure after the first chunk")
+
+    service.synthesize = failing_after_first_chunk  # type: ignore[method-assign]
+    srv = ServerThread(config, service).start()
     yield srv
     srv.stop()
 
@@ -345,3 +371,52 @@ def test_hostile_requests_get_cartesia_errors_and_the_server_goes_on(server: Ser
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["cartesia"] == 0
     refused = snapshot["gateway"]["requests"]["cartesia"]
     assert refused.get("invalid_request", 0) >= len(HOSTILE_FIELDS) and refused.get("invalid_api_key", 0) >= 2
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_session(long_server: ServerThread) -> None:
+    """The audio streams as it is produced: the client has its first bytes while the reply is still being
+    generated, and leaving then cancels the session (counted as cancelled, not ok)."""
+    server = long_server
+    before = stats(server)["gateway"]["requests"]["cartesia"].get("cancelled", 0)
+    body = {"model_id": "sonic-3", "transcript": REPLY, "voice": VOICE, "output_format": RAW_24K}
+    with httpx.stream("POST", f"{server.base_url}/tts/bytes", json=body, headers={"X-API-Key": API_KEY},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        first = next(response.iter_raw())
+        assert first
+    snapshot = settled_stats(lambda: stats(server), outcomes=None)
+    assert snapshot["gateway"]["requests"]["cartesia"].get("cancelled", 0) == before + 1
+    assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["cartesia"] == 0
+
+
+def test_a_failure_mid_stream_is_an_sse_error_event_and_cuts_bytes_short(long_server: ServerThread) -> None:
+    server = long_server
+    body = {"model_id": "sonic-3", "transcript": "Fail " + REPLY, "voice": VOICE, "output_format": RAW_24K,
+            "context_id": "doomed"}
+    with httpx.stream("POST", f"{server.base_url}/tts/sse", json=body, headers={"X-API-Key": API_KEY},
+                      timeout=120) as response:
+        assert response.status_code == 200  # the first audio was out before the failure
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "error" and "chunk" in [e["type"] for e in events]
+    error = events[-1]
+    assert set(error) == {"type", "done", "status_code", "error_code", "title", "message", "request_id",
+                          "context_id"}
+    assert (error["done"], error["status_code"], error["error_code"], error["context_id"]) == (
+        True, 500, "engine_error", "doomed")
+    assert "injected" in error["message"]
+    # /tts/bytes has sent its status already: the body ends without its terminating chunk, which the
+    # client sees as an incomplete response (not as a short, complete one).
+    bytes_body = {k: v for k, v in body.items() if k != "context_id"}
+    with (pytest.raises(httpx.RemoteProtocolError),
+          httpx.stream("POST", f"{server.base_url}/tts/bytes", json=bytes_body, headers={"X-API-Key": API_KEY},
+                       timeout=120) as response):
+        assert response.status_code == 200
+        response.read()
+    snapshot = settled_stats(lambda: stats(server))
+    assert snapshot["gateway"]["requests"]["cartesia"].get("engine_error", 0) == 2
+    assert snapshot["kv_cache"]["used_slots"] == 0
+    # The server goes on: the next request is whole.
+    ok = httpx.post(f"{server.base_url}/tts/bytes", json={**bytes_body, "transcript": TEXT},
+                    headers={"X-API-Key": API_KEY}, timeout=120)
+    assert ok.status_code == 200 and ok.content

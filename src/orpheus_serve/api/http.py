@@ -232,7 +232,12 @@ class SpeechResponse(StreamingResponse):
                 await super().__call__(scope, receive, send)
                 group.cancel_scope.cancel()
         except BaseException as exc:
+            # Starlette's task group wraps the body's own error (a SynthesisError mid-stream) in a group:
+            # the outcome is counted under that error's code.
             error = exc
+            # (an exception group has `exceptions`; Python 3.10 has no BaseExceptionGroup builtin to test for)
+            while len(inner := getattr(error, "exceptions", ())) == 1 and isinstance(inner[0], BaseException):
+                error = inner[0]
             raise
         finally:
             # A client disconnect cancels the response task; the session must still be cancelled.
