@@ -29,11 +29,12 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.services.cartesia.tts import CartesiaHttpTTSService
 from pipecat.workers.runner import WorkerRunner
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio, g711_decode
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import AudioChunk, ChunkTimings, EngineFailureError, SynthesisMetrics, SynthesisRequest
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import decode_audio, g711_decode
+from orpheus_serve.request.errors import EngineFailureError
+from orpheus_serve.request.types import AudioChunk, ChunkTimings, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import REPLY, assert_same_audio
 from tests.gateway_support import settled_stats, stats, tiny_config
 from tests.test_cartesia_clients import Recorder
@@ -49,7 +50,7 @@ ERROR_FIELDS = {"error_code", "title", "message", "request_id"}
 def server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> Iterator[ServerThread]:
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "scheduler.admission": "slots",
                                                      "server.api_keys": [API_KEY]})
-    srv = ServerThread(config, TTSService.from_config(config)).start()
+    srv = ServerThread(config, build_service(config)).start()
     yield srv
     srv.stop()
 
@@ -61,7 +62,7 @@ def long_server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> 
     the real service: Orpheus on CPU does not fail by itself)."""
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "sampling.max_tokens": 350,
                                                      "server.api_keys": [API_KEY]})
-    service = TTSService.from_config(config)
+    service = build_service(config)
     synthesize = service.synthesize
 
     async def failing_after_first_chunk(req: SynthesisRequest

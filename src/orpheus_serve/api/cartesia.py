@@ -3,7 +3,7 @@
 The agent frameworks (LiveKit Agents' Cartesia plugin, Pipecat's
 `CartesiaTTSService`, the `cartesia` SDK) speak this protocol; pointing their
 base URL here is all they need. Each context on a socket is one incremental-
-text request (DESIGN §5b): its `TextStream` takes the transcripts as they come
+text request (ARCHITECTURE §5b): its `TextStream` takes the transcripts as they come
 and its audio streams back as the text is cut into chunks. Many contexts run
 on one socket at once.
 
@@ -56,18 +56,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.requests import HTTPConnection
 
+from ..audio.pcm import pcm16_to_float
 from ..config import StreamInputConfig
-from ..protocol import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
-from ..synthesis import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
+from ..request.errors import ClientStalledError, InvalidRequestError, SynthesisError
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, SynthesisRequest
+from ..token_format import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
 from .errors import TooManyConnectionsError, UnauthorizedError, mapping_for
-from .gateway import Gateway, OutputOptions, SpeechStream
+from .gateway import Gateway, OutputOptions
+from .json_frames import json_object_frame
 
 if TYPE_CHECKING:
     from starlette.types import Message
@@ -139,25 +141,6 @@ class CancelRequest(_Lenient):
     cancel: Literal[True]
 
 
-def decode_json_object(text: str | bytes, what: str = "message") -> dict[str, Any]:
-    """A JSON object from a client, or InvalidRequestError saying what is wrong with it."""
-    try:
-        # Bytes are UTF-8 (json.loads would guess UTF-16 or -32 from the first bytes).
-        body = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"the {what} is not valid UTF-8 (offset {exc.start}); send JSON encoded as "
-                                  "UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"{what} is not valid JSON: {exc.msg}") from None
-    except RecursionError:
-        raise InvalidRequestError(f"{what} nests JSON arrays or objects too deeply") from None
-    except ValueError as exc:  # an integer of more digits than Python converts
-        raise InvalidRequestError(f"{what} is not acceptable JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError(f"a {what} must be a JSON object")
-    return body
-
-
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     error = exc.errors()[0]
     where = ".".join(str(p) for p in error["loc"]) or None
@@ -181,11 +164,6 @@ def resolve_cartesia_voice(voice: Voice | str) -> str:
                      voice.id, DEFAULT_VOICE)
             return DEFAULT_VOICE
         raise
-
-
-def to_float32(pcm: bytes) -> bytes:
-    """16-bit little-endian PCM as 32-bit little-endian floats in [-1, 1)."""
-    return (np.frombuffer(pcm, "<i2").astype("<f4") / 32768.0).astype("<f4").tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,14 +372,10 @@ class CartesiaConnection:
     # ---- client messages
 
     async def _handle(self, incoming: _Incoming) -> None:
-        text = incoming.message.get("text")
-        if text is None:
-            await self._error(InvalidRequestError("binary messages are not accepted; send JSON text messages"))
-            return
         try:
-            body = decode_json_object(text)
-        except InvalidRequestError as error:
-            await self._error(error)
+            body = json_object_frame(incoming.message)
+        except InvalidRequestError as exc:
+            await self._error(exc)
             return
         raw_id = body.get("context_id")
         context_id = raw_id if isinstance(raw_id, str) and 0 < len(raw_id) <= 256 else None
@@ -520,7 +494,7 @@ class CartesiaConnection:
         assert stream is not None  # admit returns None only with a `disconnected` probe
         speaking = asyncio.current_task()
         assert speaking is not None
-        watcher = asyncio.create_task(self._cancel_when_stalled(stream, speaking))
+        watcher = asyncio.create_task(stream.cancel_when_stalled(speaking.cancel))
         clock = StepClock(admitting)
         flushed: int | None = None  # the last flush_done sent: what follows it carries its id
         stalled: ClientStalledError | None = None
@@ -528,7 +502,7 @@ class CartesiaConnection:
             async for event in stream.events():
                 if isinstance(event, bytes):
                     step_ms = clock.step_ms()
-                    data = to_float32(event) if spec.float32 else event
+                    data = pcm16_to_float(event).tobytes() if spec.float32 else event
                     await self._send(chunk_message(data, ctx.context_id, step_ms, flush_id=flushed))
                     clock.restart()
                     continue
@@ -554,11 +528,6 @@ class CartesiaConnection:
             watcher.cancel()
             await stream.close(stalled)
         await self._send(done_message(ctx.context_id))
-
-    @staticmethod
-    async def _cancel_when_stalled(stream: SpeechStream, speaking: asyncio.Task[Any]) -> None:
-        await stream.stalled.wait()
-        speaking.cancel()
 
 
 # ---------------------------------------------------------------- auth and route

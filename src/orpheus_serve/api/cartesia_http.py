@@ -48,9 +48,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..audio import WAV_HEADER_BYTES, WAV_UNKNOWN_SIZE
-from ..protocol import UnknownVoiceError
-from ..synthesis import InvalidRequestError, SynthesisError, SynthesisRequest
+from ..audio.encoding import WAV_HEADER_BYTES, WAV_UNKNOWN_SIZE
+from ..audio.pcm import pcm16_to_float
+from ..request.errors import InvalidRequestError, SynthesisError
+from ..request.types import SynthesisRequest
+from ..token_format import UnknownVoiceError
 from .cartesia import (
     ENCODINGS,
     ContextId,
@@ -58,17 +60,16 @@ from .cartesia import (
     Voice,
     _validation_message,
     chunk_message,
-    decode_json_object,
     done_message,
     http_error_body,
     offered_api_key,
     resolve_cartesia_voice,
     timestamps_message,
-    to_float32,
 )
 from .errors import UnauthorizedError, http_headers, mapping_for
 from .gateway import Gateway, OutputOptions, SpeechStream
-from .http import RECEIVED_AT_KEY, SpeechResponse, _client_disconnected
+from .json_frames import json_object
+from .responses import RECEIVED_AT_KEY, SpeechResponse, client_disconnected
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ async def _body_bytes(stream: SpeechStream, output_format: RawFormat | WavFormat
     if isinstance(output_format, WavFormat):
         yield wav_header(output_format.encoding, output_format.sample_rate)
     async for data in stream.audio():
-        yield to_float32(data) if float32 else data
+        yield pcm16_to_float(data).tobytes() if float32 else data
 
 
 def _event(body: dict[str, Any]) -> bytes:
@@ -203,7 +204,8 @@ async def _sse_events(stream: SpeechStream, body: SseRequest, admitting: float) 
         async for event in stream.events():
             if isinstance(event, bytes):
                 step_ms = clock.step_ms()
-                yield _event(chunk_message(to_float32(event) if float32 else event, context_id, step_ms))
+                data = pcm16_to_float(event).tobytes() if float32 else event
+                yield _event(chunk_message(data, context_id, step_ms))
             elif body.add_timestamps and event.words:
                 yield _event(timestamps_message(event, context_id, stream.output.speed))
             clock.restart()
@@ -234,7 +236,7 @@ def cartesia_error_response(exc: SynthesisError, request_id: str | None = None) 
 
 
 def _parse(raw: bytes, model: type[BytesRequest]) -> BytesRequest:
-    body = decode_json_object(raw, "request body")
+    body = json_object(raw, "request body")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -281,7 +283,7 @@ def add_cartesia_http_routes(app: FastAPI, gateway: Gateway) -> None:
         admitting = time.perf_counter()
         stream = await gateway.admit(PROTOCOL, build,
                                      received_at=request.scope.get(RECEIVED_AT_KEY, admitting),
-                                     disconnected=lambda: _client_disconnected(request))
+                                     disconnected=lambda: client_disconnected(request))
         return parsed[0], stream, admitting
 
     @app.post(BYTES_PATH, include_in_schema=False)

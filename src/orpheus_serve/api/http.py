@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
-import anyio
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -30,13 +29,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from ..audio import CONTENT_TYPES
+from ..audio.encoding import CONTENT_TYPES
 from ..config import Config
-from ..metrics import PROMETHEUS_CONTENT_TYPE
-from ..synthesis import InvalidRequestError, SynthesisError
-from .cartesia import CARTESIA_PREFIX, http_error_body
+from ..metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+from ..request.errors import InvalidRequestError, SynthesisError
+from .cartesia import CARTESIA_PREFIX, add_cartesia_route, http_error_body
+from .cartesia_http import add_cartesia_http_routes
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
+from .responses import RECEIVED_AT_KEY, SpeechResponse, client_disconnected
 from .schemas import (
     IGNORED_HEADER,
     ErrorBody,
@@ -53,7 +54,6 @@ from .websocket import STREAM_PATH, add_stream_route
 log = logging.getLogger(__name__)
 
 SPEECH_PATH = "/v1/audio/speech"
-RECEIVED_AT_KEY = "orpheus.received_at"
 # Paths behind the API key; health, readiness and metrics stay open for probes and scrapers, the playground's
 # static files for browsers (the page then sends the key with its own API calls).
 PROTECTED_PREFIX = "/v1/"
@@ -208,45 +208,6 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-class SpeechResponse(StreamingResponse):
-    """Streams a SpeechStream and closes it however the response ends (done, error, client gone).
-
-    A client that stops reading leaves the response waiting for its socket to drain; when the stream
-    reports it stalled (server.stalled_client_timeout_s), the response is abandoned mid-body and the
-    connection is reset (Gateway.reset_connection): a graceful close would wait for the client to read."""
-
-    def __init__(self, stream: SpeechStream, content: AsyncIterator[bytes], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def drop_when_stalled() -> None:
-                    await self.stream.stalled.wait()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(drop_when_stalled)
-                await super().__call__(scope, receive, send)
-                group.cancel_scope.cancel()
-        except BaseException as exc:
-            # Starlette's task group wraps the body's own error (a SynthesisError mid-stream) in a group:
-            # the outcome is counted under that error's code.
-            error = exc
-            # (an exception group has `exceptions`; Python 3.10 has no BaseExceptionGroup builtin to test for)
-            while len(inner := getattr(error, "exceptions", ())) == 1 and isinstance(inner[0], BaseException):
-                error = inner[0]
-            raise
-        finally:
-            # A client disconnect cancels the response task; the session must still be cancelled.
-            with anyio.CancelScope(shield=True):
-                await self.stream.close(error)
-            if self.stream.stalled.is_set():
-                self.stream.gateway.reset_connection(scope.get("client"))
-
-
 _ERROR_DESCRIPTIONS = {
     400: "The request is invalid; `param` names the parameter at fault.",
     401: "Missing or wrong API key (only when the server has `server.api_keys`).",
@@ -345,18 +306,31 @@ async def _sse_events(stream: SpeechStream) -> AsyncIterator[bytes]:
                 "metrics": metrics})
 
 
-async def _client_disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read by then)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        continue
-
-
 def create_app(service: SpeechService, config: Config, *, gateway: Gateway | None = None) -> FastAPI:
-    """The HTTP + WebSocket app. Pass `gateway` to share limits and metrics with a gRPC server."""
+    """The HTTP + WebSocket app: every route the server serves, composed here and only here, for one API
+    process, each of N API processes and a Ray Serve replica alike (ARCHITECTURE §7). Pass `gateway` to
+    share limits and metrics with a gRPC server."""
     gateway = gateway if gateway is not None else Gateway(service, config)
     app = FastAPI(title="orpheus-serve", version=__version__,
                   description="Streaming Orpheus text-to-speech, OpenAI-compatible.")
     app.state.gateway = gateway
+    add_error_handlers(app, gateway)
+    add_service_routes(app, gateway)
+    add_speech_route(app, gateway)
+    add_stream_route(app, gateway)
+    add_cartesia_route(app, gateway)
+    add_cartesia_http_routes(app, gateway)
+    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
+    if config.server.playground:
+        add_playground(app)
+    # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
+    return app
+
+
+def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    """Every error, FastAPI's and Starlette's included, as an OpenAI-style error body."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -391,6 +365,10 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(openai_error_body("internal server error", type="server_error", code="internal_error"),
                             status_code=500)
+
+
+def add_service_routes(app: FastAPI, gateway: Gateway) -> None:
+    """Health, readiness, the model and voice lists, stats and Prometheus metrics."""
 
     @app.get("/health", response_model=HealthBody)
     async def health() -> dict[str, str]:
@@ -432,12 +410,16 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+
+def add_speech_route(app: FastAPI, gateway: Gateway) -> None:
+    """POST /v1/audio/speech: OpenAI's speech endpoint, streamed (raw audio or SSE)."""
+
     @app.post(SPEECH_PATH, response_class=StreamingResponse, responses=_SPEECH_RESPONSES)
     async def create_speech(body: Annotated[SpeechRequestBody, Body(openapi_examples=_SPEECH_EXAMPLES)],
                             request: Request) -> Response:
         stream = await gateway.admit("rest", lambda: (body.synthesis_request(), body.output_options()),
                                      received_at=request.scope.get(RECEIVED_AT_KEY, time.perf_counter()),
-                                     disconnected=lambda: _client_disconnected(request))
+                                     disconnected=lambda: client_disconnected(request))
         if stream is None:
             # The client left while queued; the session is cancelled and nobody reads this.
             return Response(status_code=499)
@@ -450,21 +432,16 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             return SpeechResponse(stream, _sse_events(stream), media_type="text/event-stream", headers=headers)
         return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)
 
-    add_stream_route(app, gateway)
-    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
-    if config.server.playground:
-        # The page refers to its files and to the API by relative URLs, so the same file works at / and at
-        # /playground, and under a proxy's path prefix.
-        @app.get("/", include_in_schema=False)
-        @app.get("/playground", include_in_schema=False)
-        async def playground() -> FileResponse:
-            return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-        app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
-    # Added last = outermost: the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
-    return app
+def add_playground(app: FastAPI) -> None:
+    # The page refers to its files and to the API by relative URLs, so the same file works at / and at
+    # /playground, and under a proxy's path prefix.
+    @app.get("/", include_in_schema=False)
+    @app.get("/playground", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
 
 def _openapi_document(app: FastAPI, *, bearer: bool) -> dict[str, Any]:
