@@ -17,7 +17,7 @@ from ..config import Config
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_LLAMA = "tiny-orpheus"
 TINY_SNAC = "tiny-snac"
 
