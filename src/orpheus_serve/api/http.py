@@ -34,7 +34,8 @@ from ..audio.encoding import CONTENT_TYPES
 from ..config import Config
 from ..metrics.prometheus import PROMETHEUS_CONTENT_TYPE
 from ..request.errors import SynthesisError
-from .cartesia import add_cartesia_route
+from .cartesia import CARTESIA_PREFIX, add_cartesia_route, http_error_body
+from .cartesia_http import add_cartesia_http_routes
 from .elevenlabs import add_elevenlabs_routes
 from .errors import (
     ELEVENLABS_PATHS,
@@ -198,6 +199,8 @@ class BodyLimitMiddleware:
         message = f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)"
         if path.startswith(ELEVENLABS_PATHS):
             return {"detail": {"status": "request_too_large", "message": message}}
+        if path.startswith(CARTESIA_PREFIX):  # Cartesia's endpoints answer in Cartesia's shape
+            return http_error_body("request_too_large", 413, message)
         return openai_error_body(message, code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -333,6 +336,7 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     add_stream_route(app, gateway)
     add_cartesia_route(app, gateway)
     add_elevenlabs_routes(app, gateway)
+    add_cartesia_http_routes(app, gateway)
     app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
     if config.server.playground:
         add_playground(app)

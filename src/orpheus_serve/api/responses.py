@@ -1,6 +1,6 @@
-"""HTTP response pieces every REST adapter shares (http.py's OpenAI-compatible routes, elevenlabs.py's):
-the streamed speech response that closes its stream however it ends, the request's arrival time, the
-client-disconnect probe and why a JSON body could not be parsed."""
+"""HTTP response pieces every REST adapter shares (http.py's OpenAI-compatible routes, cartesia_http.py's
+/tts/bytes and /tts/sse, elevenlabs.py's): the streamed speech response that closes its stream however it ends,
+the request's arrival time, the client-disconnect probe and why a JSON body could not be parsed."""
 
 from __future__ import annotations
 
@@ -38,7 +38,12 @@ class SpeechResponse(StreamingResponse):
                 await super().__call__(scope, receive, send)
                 group.cancel_scope.cancel()
         except BaseException as exc:
+            # Starlette's task group wraps the body's own error (a SynthesisError mid-stream) in a group:
+            # the outcome is counted under that error's code.
             error = exc
+            # (an exception group has `exceptions`; Python 3.10 has no BaseExceptionGroup builtin to test for)
+            while len(inner := getattr(error, "exceptions", ())) == 1 and isinstance(inner[0], BaseException):
+                error = inner[0]
             raise
         finally:
             # A client disconnect cancels the response task; the session must still be cancelled.
