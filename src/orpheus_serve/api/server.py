@@ -35,7 +35,6 @@ import anyio
 import uvicorn
 
 from ..config import Config
-from ..mp_client import MPClient
 from ..stats import api_process_figures
 from .cartesia import add_cartesia_route
 from .gateway import Gateway
@@ -45,6 +44,7 @@ from .riva import RivaSpeechSynthesisService
 from .websocket import WebSocketProtocol
 
 if TYPE_CHECKING:
+    from ..mp_client import MPClient
     from ..service import TTSService
     from .api_processes import ApiProcessGroup
 
@@ -98,8 +98,8 @@ class OrpheusServer:
         self.api_index = api_index
         self.gateway = Gateway(service, config)
         self._api_group: ApiProcessGroup | None = None
-        client = getattr(service, "client", None)
-        if config.server.api_processes > 1 and isinstance(client, MPClient):
+        client = self._shared_core_client()
+        if client is not None:
             self._share_counters(client)
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
@@ -112,6 +112,18 @@ class OrpheusServer:
         self._shutdown: asyncio.Task[None] | None = None
         self.exit_code = 0  # 1 when the server stopped because its engine core (or an API process) died
         self._stop = asyncio.Event()  # set by SIGTERM/SIGINT or request_stop(): serve_until_signalled stops
+
+    def _shared_core_client(self) -> MPClient | None:
+        """The service's multiprocess client when several API processes share its engine core, else None.
+
+        mp_client (and with it zmq) is imported only then: a server whose engine core runs in this
+        process never needs ZeroMQ, so it starts where pyzmq is not installed."""
+        if self.config.server.api_processes <= 1:
+            return None
+        from ..mp_client import MPClient
+
+        client = getattr(self.service, "client", None)
+        return client if isinstance(client, MPClient) else None
 
     def _share_counters(self, client: MPClient) -> None:
         """Every API process's /v1/stats sums all of their counters (api_processes.py)."""
@@ -184,8 +196,8 @@ class OrpheusServer:
         if self._uvicorn_task is None:
             await self.open_listeners()
         assert self._uvicorn_task is not None and self._grpc is not None
-        client = getattr(self.service, "client", None)
-        if self.api_index == 0 and self.config.server.api_processes > 1 and isinstance(client, MPClient):
+        client = self._shared_core_client()
+        if self.api_index == 0 and client is not None:
             # The other API processes warm up first: once this one is ready, all are.
             from .api_processes import ApiProcessGroup
 
