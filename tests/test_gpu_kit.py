@@ -277,3 +277,55 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert refused.returncode != 0 and "dry run" in refused.stderr
     subprocess.run([*report, "--allow-dry-run"], check=True, capture_output=True)
     assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
+
+
+def test_a_stage_past_its_deadline_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:
+    """A stage that cannot stop by itself (here: frozen once its server and engine core are up) is ended
+    at the call's deadline with everything it started: nothing is left holding the card."""
+    import signal
+    import time
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "KIT_WORK": str(work), "PYTHON": sys.executable}
+    env.pop("KIT_WHEELS", None)
+    started = time.monotonic()
+    call = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "--budget", "60", "--dry-run", "serve"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # The stage's own process, then its group once the server's engine core has joined it.
+        group: set[int] = set()
+        while time.monotonic() - started < 45 and call.poll() is None:
+            # The stage's python itself, not `timeout` (whose command line holds the same words).
+            pattern = "^" + re.escape(f"{sys.executable} scripts/gpu/kit.py serve --results {out}")
+            stage = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+            pids = [int(p) for p in stage.stdout.split()]
+            if pids:
+                pgid = os.getpgid(pids[0])
+                group = {int(p) for p in subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True,
+                                                        text=True).stdout.split()}
+                if len(group) >= 3:  # the stage, production_server.py and its engine-core process
+                    os.kill(pids[0], signal.SIGSTOP)  # the stage can no longer stop anything itself
+                    break
+            time.sleep(0.5)  # polling a process table: there is nothing to wait on
+        assert len(group) >= 3, "the server and its engine core did not start in time"
+        output, _ = call.communicate(timeout=90)
+    finally:
+        if call.poll() is None:
+            call.kill()
+    assert call.returncode == 1, output
+    assert "=== serve done" in output and ("(exit 124)" in output or "(exit 137)" in output), output[-2000:]
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in group if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]) and (
+            time.monotonic() < deadline):
+        time.sleep(0.5)
+    assert not alive, f"left running: {alive}"
+    saved = json.loads((out / "serve.json").read_text())  # what the stage had written stays readable
+    assert saved["stage"] == "serve" and saved["ok"] is False
+    assert (out / "logs.tar.gz").exists()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1]
+    except (FileNotFoundError, IndexError):
+        return "Z"
