@@ -129,6 +129,12 @@ def test_check_fails_unless_a_gpu_test_passed() -> None:
     assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=True) == []
 
 
+def test_check_runs_the_gpu_marked_test_files() -> None:
+    files = kit.gpu_test_files()
+    assert {"tests/test_torch_engine.py", "tests/test_codec_stateful.py", "tests/test_engine_sdpa.py"} <= set(files)
+    assert "tests/test_gpu_kit.py" not in files  # `gpukit` is not `gpu`
+
+
 def test_gpu_readings_tolerate_not_available_and_keep_zeros() -> None:
     assert kit.parse_smi_numbers("37, 1234") == (37.0, 1234.0)
     assert kit.parse_smi_numbers("[N/A], 1234") is None
