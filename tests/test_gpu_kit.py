@@ -283,7 +283,8 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert [r["concurrency"] for r in serve["rows"]] == [1, 2]
     for row in serve["rows"]:
         assert row["succeeded"] == row["requests"] and row["errors"] == 0 and row["short_streams"] == 0
-        assert row["stream_audio_s_min"] == pytest.approx(serve["expected_stream_audio_s"], abs=0.01)
+        for length in (row["stream_audio_s_min"], row["stream_audio_s_max"]):  # every utterance at full length
+            assert length == pytest.approx(serve["expected_stream_audio_s"], abs=0.01)
         assert row["server_cpu_s_per_audio_s"] > 0
 
     doc = tmp_path / "PERFORMANCE.md"

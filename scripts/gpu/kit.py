@@ -694,8 +694,10 @@ def stage_serve(run: StageRun) -> None:
                     warmup=None, rows=rows, realtime_held={})
 
     def spec(concurrency: int, seed: int) -> LoadSpec:
+        # Short texts only (voice-agent turns, one sentence): one chunk each, so max_tokens fixes every length.
         return LoadSpec(requests=concurrency * shapes.serve_requests_per_stream, concurrency=concurrency,
-                        protocol="grpc", seed=seed, max_tokens=shapes.serve_max_tokens, ramp_s=shapes.serve_ramp_s)
+                        protocol="grpc", seed=seed, max_tokens=shapes.serve_max_tokens, ramp_s=shapes.serve_ramp_s,
+                        text_mix=(1.0, 0.0, 0.0))
 
     def level_estimate_s(concurrency: int) -> float:
         # Closed loop: requests/concurrency utterances back to back, each at least real time, plus the ramp.
@@ -707,6 +709,10 @@ def stage_serve(run: StageRun) -> None:
         if row["short_streams"]:
             run.problem(f"{row['concurrency']} streams: shortest stream {shortest} s < {expected:.3f} s expected "
                         f"(the model ended an utterance early)")
+        longest = row.get("stream_audio_s_max")
+        if longest is not None and longest > expected + frame_s / 2:
+            run.problem(f"{row['concurrency']} streams: longest stream {longest} s > {expected:.3f} s expected "
+                        f"(a text was split into several chunks)")
 
     def render() -> None:
         run.data["realtime_held"] = {f"{t:g}": realtime_held(rows, t) for t in TTFB_TARGETS_MS}
