@@ -162,7 +162,7 @@ class StageRun:
                 code = 124
         text = log.read_text(errors="replace")
         if code == 124:
-            self.problem(f"{Path(cmd[1]).name if len(cmd) > 1 else cmd[0]} cut short (deadline)")
+            self.problem(f"{log_name.removesuffix('.log')} cut short (deadline)")
         print(text[-3000:], flush=True)
         return subprocess.CompletedProcess(cmd, code, text, "")
 
