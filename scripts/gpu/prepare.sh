@@ -16,6 +16,7 @@
 #                      (6.33.5 exactly for nvidia-riva-client); protobuf 7 must not be picked up
 #   msgpack, pyzmq     the serve stage runs the engine core in its own process (server.engine_process)
 #   pytest & plugins   the check stage; pytest-timeout because pyproject's `timeout` setting needs it
+#   httpx, httpcore    in step with the h11 that uvicorn needs
 # PyAV (mp3/opus/aac/flac) is left out: the stages stream PCM only, and audio.py refuses the other
 # formats with a clear error naming PyAV.
 set -euo pipefail
@@ -44,6 +45,9 @@ REQUIRED=(
   h11==0.16.0
   click==8.5.1
   websockets==15.0.1
+  # the benchmark client and the readiness probe; the box has some httpx, but h11 0.16 above needs httpcore 1.0.9
+  httpx==0.28.1
+  httpcore==1.0.9
   # gRPC gateway and Riva's TTS API
   grpcio==1.85.3
   grpcio-health-checking==1.81.1
