@@ -10,12 +10,12 @@ import pydantic
 import pytest
 import torch
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.config import EngineConfig
 from orpheus_serve.engines.llama import load_transformer
 from orpheus_serve.engines.sdpa import pinned_sdpa, sdpa_backends, serving_backend
 from orpheus_serve.engines.torch_engine import TorchEngine
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = (P.START_OF_HUMAN, P.BOS, *range(1000, 1020), *P.PROMPT_SUFFIX)

@@ -231,10 +231,12 @@ def test_plots_are_skipped_without_matplotlib(tmp_path: Path) -> None:
 
 
 def test_an_in_process_server_needs_no_zeromq() -> None:
-    """Only a server whose engine core runs apart imports mp_client (and zmq, msgpack)."""
+    """Only a server whose engine core runs apart imports core.mp_client (and zmq, msgpack)."""
     code = ("import sys; sys.modules['zmq'] = None; sys.modules['msgpack'] = None\n"  # as if not installed
-            "import orpheus_serve.api.server, orpheus_serve.service_builder, orpheus_serve.service\n"
-            "print(sorted(m for m in sys.modules if m.endswith(('mp_client', 'engine_proc', 'engine_wire'))))\n")
+            "import orpheus_serve.api.server, orpheus_serve.api.launch, orpheus_serve.service.build\n"
+            "import orpheus_serve.service.service\n"
+            "print(sorted(m for m in sys.modules if m.startswith('orpheus_serve.') and m.endswith(\n"
+            "    ('mp_client', 'process_group', 'core.process', 'core.wire', 'core.transport', 'core.supervisor'))))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]

@@ -65,13 +65,14 @@ TTFB_TARGETS_MS = (150.0, 300.0)
 # GPU box's packages plus .whl/): a module missing there fails in seconds, not minutes into a stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "check": ("pytest", "pytest_timeout", "torch"),
-    "engine": ("torch", "safetensors", "orpheus_serve.tiny_models", "orpheus_serve.engines.torch_engine",
+    "engine": ("torch", "safetensors", "orpheus_serve.weights.tiny", "orpheus_serve.engines.torch_engine",
                "scripts.bench_engine"),
-    "codec": ("torch", "snac", "orpheus_serve.tiny_models", "orpheus_serve.codec.loader",
+    "codec": ("torch", "snac", "orpheus_serve.weights.tiny", "orpheus_serve.codec.loader",
               "orpheus_serve.codec.stateful", "orpheus_serve.engines.torch_engine"),
-    "serve": ("torch", "snac", "zmq", "msgpack", "grpc", "uvicorn", "fastapi", "orpheus_serve.tiny_models",
-              "production_server", "orpheus_serve.api.server", "orpheus_serve.service_builder",
-              "orpheus_serve.mp_client", "orpheus_serve.engine_proc", "orpheus_serve.engines.torch_engine",
+    "serve": ("torch", "snac", "zmq", "msgpack", "grpc", "uvicorn", "fastapi", "orpheus_serve.weights.tiny",
+              "production_server", "orpheus_serve.api.server", "orpheus_serve.api.launch",
+              "orpheus_serve.service.build", "orpheus_serve.core.mp_client", "orpheus_serve.core.process",
+              "orpheus_serve.engines.torch_engine",
               "orpheus_serve.codec.stateful", "orpheus_serve.codec.worker", "orpheus_serve.benchmarking.launch",
               "orpheus_serve.benchmarking.runner", "orpheus_serve.benchmarking.plots",
               "orpheus_serve.client.protocols"),
@@ -245,7 +246,7 @@ def import_stage_modules(stage: str) -> list[str]:
 
 def ensure_models(run: StageRun) -> tuple[Path, Path]:
     """(Llama folder, SNAC folder): written once per machine under the work folder."""
-    from orpheus_serve.tiny_models import write_llama, write_snac
+    from orpheus_serve.weights.tiny import write_llama, write_snac
 
     shapes = run.shapes
     models = run.work / "models"
@@ -430,7 +431,7 @@ def stage_codec(run: StageRun) -> None:
     from orpheus_serve.codec.base import CodecPush
     from orpheus_serve.codec.loader import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
-    from orpheus_serve.protocol import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
+    from orpheus_serve.token_format import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
 
     shapes = run.shapes
     llama, snac_dir = ensure_models(run)
@@ -522,9 +523,9 @@ def stage_codec(run: StageRun) -> None:
 def _codec_engine_overlap(run: StageRun, llama: Path, decoder: Any,
                           codec_passes: Callable[..., list[float]]) -> dict[str, Any]:
     """Engine decode steps and codec passes on their own streams, each alone, then both at once."""
-    from orpheus_serve import protocol as P
+    from orpheus_serve import token_format as P
     from orpheus_serve.engines.torch_engine import TorchEngine
-    from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
+    from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
 
     shapes = run.shapes
     batch, steps = shapes.overlap_batch, shapes.overlap_steps
@@ -661,7 +662,7 @@ def realtime_held(rows: list[dict[str, Any]], ttfb_ms: float) -> int | None:
 
 
 def expected_audio_s(max_tokens: int) -> float:
-    from orpheus_serve.protocol import FRAME_SECONDS, TOKENS_PER_FRAME
+    from orpheus_serve.token_format import FRAME_SECONDS, TOKENS_PER_FRAME
 
     return (max_tokens // TOKENS_PER_FRAME) * FRAME_SECONDS
 

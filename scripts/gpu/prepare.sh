@@ -17,7 +17,7 @@
 #   msgpack, pyzmq     the serve stage runs the engine core in its own process (server.engine_process)
 #   pytest & plugins   the check stage; pytest-timeout because pyproject's `timeout` setting needs it
 #   httpx, httpcore    in step with the h11 that uvicorn needs
-# PyAV (mp3/opus/aac/flac) is left out: the stages stream PCM only, and audio.py refuses the other
+# PyAV (mp3/opus/aac/flac) is left out: the stages stream PCM only, and audio/encoding.py refuses the other
 # formats with a clear error naming PyAV.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

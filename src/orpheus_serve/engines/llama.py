@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from orpheus_serve.engines.vram_budget import LlamaDims
-from orpheus_serve.step import EngineError
+from orpheus_serve.scheduler.step import EngineError
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
