@@ -2,7 +2,8 @@
 
 `build_server` is the one place that decides. With `server.api_processes` > 1 (which needs
 `server.engine_process`) the service's client is an `MPClient`: this process then shares its counters
-with the others and starts and supervises API processes 1..N-1 (process_group.py) as the server's peers.
+with the others and starts and supervises API processes 1..N-1 (process_group.py) as the server's peers;
+only then are those two modules (and zmq, msgpack) imported.
 `run_server` is the production entry point (production_server.py); `ServerThread` runs a server on a loop
 of its own in a background thread, for synchronous callers (tests, benchmarks, notebooks).
 """
@@ -16,10 +17,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ..config import Config
-from ..core.mp_client import MPClient
 from ..service.build import build_service
 from ..service.service import TTSService
-from .process_group import ApiProcessGroup
 from .server import OrpheusServer
 
 T = TypeVar("T")
@@ -30,8 +29,15 @@ def build_server(config: Config, service: TTSService | None = None) -> OrpheusSe
     the others as its peers."""
     if service is None:
         service = build_service(config)
+    if config.server.api_processes <= 1:
+        return OrpheusServer(config, service)
+    # mp_client and the process group (and with them zmq, msgpack) are imported only here: a server whose
+    # engine core runs in this process never needs ZeroMQ, so it starts where pyzmq is not installed.
+    from ..core.mp_client import MPClient
+    from .process_group import ApiProcessGroup
+
     client = getattr(service, "client", None)  # a stand-in service (tests) may have none
-    if config.server.api_processes > 1 and isinstance(client, MPClient):
+    if isinstance(client, MPClient):
         peers = ApiProcessGroup(config, client)
         server = OrpheusServer(config, service, peers=peers)
         peers.on_restart = server.gateway.metrics.api_process_restarts.inc

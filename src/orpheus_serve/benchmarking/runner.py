@@ -160,6 +160,10 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
         results, wall = asyncio.run(run_load(target, spec, progress=progress, lags=client_lags))
     after = target.stats()
     row: dict[str, Any] = {"concurrency": spec.concurrency, "protocol": spec.protocol, **summarize(results, wall)}
+    # Each stream's length: with fixed-length utterances (max_tokens) a short one means the model stopped early.
+    lengths = [r.audio_seconds for r in results if r.ok]
+    row["stream_audio_s_min"] = round(min(lengths), 3) if lengths else None
+    row["stream_audio_s_max"] = round(max(lengths), 3) if lengths else None
     # Whose lateness the underruns may be: the server's API process(es), or this client's own loop.
     row["gateway_lag_ms_max"] = max(gateway.samples, default=None)
     row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))
