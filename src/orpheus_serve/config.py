@@ -173,7 +173,7 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     playground: bool = True  # the web page at / and /playground (static files, no internet needed)
     # The engine core (scheduler, engine, codec worker) in a process of its own, fed over ZeroMQ
-    # (mp_client.py); false: threads of this process (core.client.InprocClient).
+    # (core/mp_client.py); false: threads of this process (core.client.InprocClient).
     engine_process: bool = False
     # API processes (HTTP/WebSocket + gRPC, sharing the ports with SO_REUSEPORT) in front of the one engine
     # core (api/process_group.py); more than 1 needs engine_process.
@@ -202,7 +202,7 @@ class StreamInputConfig(_Strict):
 
 
 class ProfileConfig(_Strict):
-    max_text_chars: int = Field(ge=1)  # counted after normalisation (text.py)
+    max_text_chars: int = Field(ge=1)  # counted after normalisation (request/text.py)
     # Tokens of the normalised text, all chunks together; None: 2 x max_text_chars (a character limit alone
     # lets token-dense text through: 250 emoji were about 1,000 prompt tokens).
     max_prompt_tokens: int | None = Field(None, ge=1)
