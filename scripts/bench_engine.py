@@ -16,9 +16,14 @@ scripts/make_tiny_models.py into --models-dir when missing.
 
 `--contexts` runs the whole measurement once per prompt length (the context each session
 attends over when timing starts; it grows by the steps run), `--graphs on,off` with and without
-CUDA graphs (one engine each; graphs exist on CUDA only), and `--constrained on,off` with the
-frame-position constraint's narrowed projection and without it (sessions prefilled again). `--json`
-writes one row per (model, context, graphs, constrained, batch), with the memory plan of each engine.
+CUDA graphs (one engine each, sharing one load of the weights; graphs exist on CUDA only), and
+`--constrained on,off` with the frame-position constraint's narrowed projection and without it
+(sessions prefilled again). With `--contexts-are-kv-tops` each context is instead the longest KV
+length the measurement reaches: prompts are shortened by the steps run, so every step attends within
+the one CUDA-graph KV bucket that ends at the context (make the contexts powers of two from 256 up),
+and graphs on and off attend over the same lengths. `--json` writes one row per (model, context,
+graphs, constrained, batch) with the KV lengths it covered and the attention kernel that ran
+(`sdpa`), and the memory plan of each engine. `--deadline` (Unix time) starts no configuration after it.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from orpheus_serve import protocol as P  # noqa: E402
+from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
-from orpheus_serve.engines.llama import LlamaConfig  # noqa: E402
+from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype  # noqa: E402
 from orpheus_serve.engines.memory import available_bytes, plan_memory  # noqa: E402
 from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
-from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
+from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
 
@@ -64,11 +69,13 @@ def _on_off(value: str) -> list[bool]:
 
 
 def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtype: str,
-                memory_fraction: float = 0.9) -> dict[str, object]:
-    """What the engine's planner says about `slots` sessions of `max_seq_len` on this device."""
-    from orpheus_serve.engines.llama import torch_dtype
-
+                memory_fraction: float = 0.9, resident: Transformer | None = None) -> dict[str, object]:
+    """What the engine's planner says about `slots` sessions of `max_seq_len` on this device, against its
+    free memory now (plus the weights of `resident`, loaded already and counted by the plan)."""
     budget = available_bytes(torch.device(device))
+    free = budget
+    if budget is not None and resident is not None:
+        budget += sum(p.numel() * p.element_size() for p in resident.parameters())
     plan = plan_memory(LlamaConfig.from_folder(folder), num_slots=slots, max_seq_len=max_seq_len,
                        dtype=torch_dtype(dtype), max_batch_size=slots,
                        budget_bytes=None if budget is None else int(budget * memory_fraction))
@@ -76,18 +83,26 @@ def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtyp
             "kv_mib_per_slot": round(plan.kv_bytes_per_slot / 2**20, 2),
             "workspace_gib": round(plan.workspace_bytes / 2**30, 3),
             "budget_gib": None if plan.budget_bytes is None else round(plan.budget_bytes / 2**30, 2),
-            "max_slots": plan.max_slots, "fits": plan.fits, "describe": plan.describe()}
+            "max_slots": plan.max_slots, "fits": plan.fits, "describe": plan.describe(),
+            "free_gib_measured": None if free is None else round(free / 2**30, 2)}
+
+
+def steps_per_mode(batches: list[int], *, steps: int, rounds: int, warmup: int) -> int:
+    """Decode steps the first session runs per constrained mode: what its KV length grows by."""
+    return warmup * len(batches) + rounds * steps * len(batches)
 
 
 def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, warmup: int, device: str,
-                dtype: str, prompt_len: int, graphs: bool = True,
-                constrained_modes: tuple[bool, ...] = (True,)) -> dict[bool, dict[int, float]]:
-    """Median seconds per decode step, per constrained mode and batch size (one engine for all)."""
+                dtype: str, prompt_len: int, graphs: bool = True, constrained_modes: tuple[bool, ...] = (True,),
+                max_seq_len: int | None = None, model: Transformer | None = None
+                ) -> tuple[dict[bool, dict[int, float]], str]:
+    """Median seconds per decode step, per constrained mode and batch size (one engine for all), and the
+    attention kernel that served them. `model`: weights loaded once and shared by the engines."""
     max_batch = max(batches)
-    per_mode_steps = warmup * len(batches) + rounds * steps * len(batches)
-    max_seq_len = prompt_len + 1 + per_mode_steps + 8
+    if max_seq_len is None:
+        max_seq_len = prompt_len + 1 + steps_per_mode(batches, steps=steps, rounds=rounds, warmup=warmup) + 8
     engine = TorchEngine(folder, num_slots=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                         max_batch_size=max_batch, cuda_graphs=graphs)
+                         max_batch_size=max_batch, cuda_graphs=graphs, model=model)
     results: dict[bool, dict[int, float]] = {}
     try:
         for constrained in constrained_modes:
@@ -95,7 +110,7 @@ def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, wa
                                                    warmup=warmup, prompt_len=prompt_len, constrained=constrained)
     finally:
         engine.close()
-    return results
+    return results, engine.sdpa_backend
 
 
 def _bench_sessions(engine: TorchEngine, *, batches: list[int], steps: int, rounds: int, warmup: int,
@@ -142,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--contexts-are-kv-tops", action="store_true",
+                    help="each context is the longest KV length reached (one graph bucket for graphs on and off)")
+    ap.add_argument("--deadline", type=float, default=None, help="Unix time after which no configuration starts")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -155,23 +173,38 @@ def main(argv: list[str] | None = None) -> int:
     folders += [Path(m) for m in args.model]
 
     contexts = [int(c) for c in args.contexts.split(",") if c] if args.contexts else [args.prompt_len]
+    growth = steps_per_mode(batches, steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+    if args.contexts_are_kv_tops and min(contexts) - growth - 1 < 8:
+        ap.error(f"context {min(contexts)} leaves no prompt: the measurement grows the KV length by {growth}")
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds x {args.steps} steps per batch size, median round")
     print(f"{'model':<16} {'params':>8} {'ctx':>5} {'graphs':>6} {'constr':>6} {'batch':>5} {'step ms':>9} "
           f"{'tokens/s':>10} {'x batch 1':>10}")
     rows: list[dict[str, object]] = []
     plans: list[dict[str, object]] = []
+    complete = True
     for folder in folders:
         params = LlamaConfig.from_folder(folder).num_parameters
+        started = time.perf_counter()
+        model = load_transformer(folder, dtype=torch_dtype(dtype), device=device)  # once, shared by its engines
+        print(f"{folder.name}: weights loaded to {device} in {time.perf_counter() - started:.1f} s", flush=True)
         for context in contexts:
+            if args.contexts_are_kv_tops:  # KV lengths prompt+1 .. context: inside the bucket that ends at context
+                prompt_len, max_seq_len = context - growth - 1, context + 8
+            else:
+                prompt_len, max_seq_len = context, context + 1 + growth + 8
             for graphs in args.graphs:
-                max_seq_len = context + 1 + (args.warmup + args.rounds * args.steps) * len(batches) + 8
+                if args.deadline is not None and time.time() > args.deadline:
+                    print(f"deadline passed: context {context}, graphs {_word(graphs)} not measured", flush=True)
+                    complete = False
+                    continue
                 plans.append({"model": folder.name, "context": context, "graphs": graphs,
                               **memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device,
-                                            dtype=dtype)})
-                by_mode = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds,
-                                      warmup=args.warmup, device=device, dtype=dtype, prompt_len=context,
-                                      graphs=graphs, constrained_modes=tuple(args.constrained))
+                                            dtype=dtype, resident=model)})
+                by_mode, sdpa = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds,
+                                            warmup=args.warmup, device=device, dtype=dtype, prompt_len=prompt_len,
+                                            graphs=graphs, constrained_modes=tuple(args.constrained),
+                                            max_seq_len=max_seq_len, model=model)
                 for constrained, step_s in by_mode.items():
                     base = 1 / step_s[1]
                     for batch in batches:
@@ -182,13 +215,28 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({"model": folder.name, "params_m": round(params / 1e6, 1), "context": context,
                                      "graphs": graphs and device.startswith("cuda"), "constrained": constrained,
                                      "batch": batch, "step_ms": round(step_s[batch] * 1e3, 3),
-                                     "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2)})
+                                     "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2),
+                                     "kv_len_first": prompt_len + 1, "kv_len_last": prompt_len + growth,
+                                     "sdpa": sdpa})
                 if args.json:  # after every configuration: a run stopped part-way keeps what it measured
-                    Path(args.json).write_text(json.dumps({
+                    _write_atomically(Path(args.json), {
                         "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps,
-                        "rounds": args.rounds, "warmup": args.warmup, "rows": rows, "memory_plans": plans},
-                        indent=2))
+                        "rounds": args.rounds, "warmup": args.warmup, "contexts_are_kv_tops": args.contexts_are_kv_tops,
+                        "complete": False, "rows": rows, "memory_plans": plans})
+        del model
+    if args.json:
+        _write_atomically(Path(args.json), {
+            "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps, "rounds": args.rounds,
+            "warmup": args.warmup, "contexts_are_kv_tops": args.contexts_are_kv_tops, "complete": complete,
+            "rows": rows, "memory_plans": plans})
     return 0
+
+
+def _write_atomically(path: Path, data: dict[str, object]) -> None:
+    """A reader (or a run killed mid-write) sees the previous file or the new one, never half of one."""
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text(json.dumps(data, indent=2))
+    scratch.replace(path)
 
 
 def _word(flag: bool) -> str:

@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from orpheus_serve import protocol as P  # noqa: E402
+from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
 from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
-from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
-from orpheus_serve.tiny_models import write_lora_adapter  # noqa: E402
+from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
+from orpheus_serve.weights.tiny import write_lora_adapter  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
 SAMPLING = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, seed=0)

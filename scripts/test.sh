@@ -15,11 +15,23 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "could not install chromium (see /tmp/orpheus-chromium-install.log); the browser tests will fail" >&2
   fi
 fi
+# promtool checks the Prometheus alert rules (deploy/prometheus) and runs their unit tests; prometheus itself
+# scrapes a test server to run every dashboard query (tests/test_observability.py). Debian's package has both.
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo -n"; fi
+  echo "installing prometheus (apt-get) for promtool and the observability tests"
+  if ! { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+      >/tmp/orpheus-prometheus-install.log 2>&1; then
+    echo "could not install prometheus (see /tmp/orpheus-prometheus-install.log); the promtool tests will skip" >&2
+  fi
+fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest "$@"
 if [ "$#" -eq 0 ]; then
   # The gateway tests again against servers whose engine core runs in a process of its own
   # (server.engine_process; about two minutes), with contexts and an unpaced engine among them.
   ORPHEUS_ENGINE_PROCESS=1 .venv/bin/python -m pytest tests/test_gateway_e2e.py tests/test_gateway_limits.py \
-    tests/test_gateway_units.py tests/test_slow_readers.py tests/test_ws_contexts.py tests/test_cartesia_fuzz.py
+    tests/test_gateway_units.py tests/test_slow_readers.py tests/test_ws_contexts.py tests/test_cartesia_fuzz.py \
+    tests/test_elevenlabs_fuzz.py tests/test_elevenlabs_hostile.py
 fi

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from websockets.asyncio.client import connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 
 REPLY = ("Sure, I can help with that. The weather today is sunny, with a light breeze from the west. "
          "Tomorrow looks a little cooler, so bring a jacket if you go out. Anything else?")
@@ -93,17 +93,17 @@ def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, An
     return [e for key, e in entries.items() if key.rsplit("-", 1)[0] == latest]
 
 
-def cancelled_streams(server: ServerThread) -> int:
-    return server.server.gateway.figures()["requests"]["cartesia"].get("cancelled", 0)
+def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
+    return server.server.gateway.figures()["requests"][protocol].get("cancelled", 0)
 
 
-def before_cancel(server: ServerThread) -> tuple[int, int]:
-    """(engine steps, Cartesia streams closed as cancelled), read just before a client cancels."""
-    return steps(server), cancelled_streams(server)
+def before_cancel(server: ServerThread, protocol: str = "cartesia") -> tuple[int, int]:
+    """(engine steps, the protocol's streams closed as cancelled), read just before a client cancels."""
+    return steps(server), cancelled_streams(server, protocol)
 
 
-async def stop_steps(server: ServerThread, first_text: str, before: tuple[int, int], *, within_s: float = 30.0
-                     ) -> tuple[int, int]:
+async def stop_steps(server: ServerThread, first_text: str, before: tuple[int, int], *, within_s: float = 30.0,
+                     protocol: str = "cartesia") -> tuple[int, int]:
     """Engine steps until every session of the request whose first chunk starts with `first_text` has
     finished: from `before` (read before the client cancelled, so the way to the server counts), and from
     the moment the server closed that request's stream (its session cancelled then). Bounded; polls the
@@ -113,7 +113,7 @@ async def stop_steps(server: ServerThread, first_text: str, before: tuple[int, i
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         now = steps(server)
-        if closed_at is None and cancelled_streams(server) > cancelled:
+        if closed_at is None and cancelled_streams(server, protocol) > cancelled:
             closed_at = now
         entries = context_sessions(server, first_text)
         if entries and all(e["finish_reason"] is not None for e in entries):

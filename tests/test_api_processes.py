@@ -19,6 +19,7 @@ import pytest
 
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.request.types import PROTOCOLS
 from tests.gateway_support import metric_values, wait_for
 from tests.test_engine_process import _grpc_until_error, _grpc_whole, _sse_until_error, _ws_until_error, _ws_whole
 
@@ -128,7 +129,18 @@ def test_two_api_processes_share_the_ports_stats_core_deaths_and_a_drain(tiny_or
                         for protocol in ("rest", "ws", "grpc")} == {"rest": 8.0, "ws": 8.0, "grpc": 8.0}, requests
                 assert metric_values(text, "orpheus:time_to_first_audio_seconds_count") == {"": 24.0}
                 assert metric_values(text, "orpheus:active_streams") == {
-                    f'{{protocol="{protocol}"}}': 0.0 for protocol in ("rest", "ws", "grpc", "riva", "cartesia")}
+                    f'{{protocol="{protocol}"}}': 0.0 for protocol in PROTOCOLS}
+                assert set(metric_values(text, "orpheus:underrunning_streams").values()) == {0.0}
+                # Every stream that had audio, counted once whichever process served it (real-time or not).
+                played = metric_values(text, "orpheus:streams_played_total")
+                assert {protocol: sum(v for k, v in played.items() if f'protocol="{protocol}"' in k)
+                        for protocol in ("rest", "ws", "grpc")} == {"rest": 8.0, "ws": 8.0, "grpc": 8.0}, played
+                # One row per API process, not summed: together, every request.
+                rows = metric_values(text, "orpheus:api_process_requests_total")
+                assert set(rows) == {'{api_process="0"}', '{api_process="1"}'} and sum(rows.values()) == 24, rows
+                assert all(value > 0 for value in rows.values()), rows
+                assert set(metric_values(text, "orpheus:api_process_cpu_seconds_total")) == set(rows)
+                assert metric_values(text, "orpheus:engine_alive") == {"": 1.0}
 
         # Clients that go away mid-stream free their slots, whichever process served them.
         async def cut_off() -> None:
@@ -171,6 +183,11 @@ def test_two_api_processes_share_the_ports_stats_core_deaths_and_a_drain(tiny_or
                              and s["process"]["engine_core_restarts"] == 1 and s["requests"]["requests_failed"] == 12
                              for s in _stats_of_each(launched).values()), 120,
                  "both processes see the new core (and each other's counters again)")
+        with httpx.Client(timeout=10.0) as client:
+            for _ in range(4):
+                text = client.get(f"{launched.url}/metrics", headers={"connection": "close"}).text
+                assert metric_values(text, "orpheus:engine_core_restarts_total") == {"": 1.0}
+                assert metric_values(text, "orpheus:engine_alive") == {"": 1.0}
         snapshot = _stats(launched)
         for result in _burst(launched, 3, "Back again."):
             assert result.status == "ok" and result.chunks, (result.protocol, result.error)
@@ -228,6 +245,13 @@ def test_an_api_process_that_dies_is_started_again_while_the_others_streams_go_o
 
         wait_for(restarted, 90, "API process 1 started again")
         assert launched.process.poll() is None  # the server never stopped
+
+        def restart_counted() -> bool:  # in either process's /metrics (process 0's count reaches the other)
+            with httpx.Client(timeout=10.0) as client:
+                return all(metric_values(client.get(f"{launched.url}/metrics", headers={"connection": "close"}).text,
+                                         "orpheus:api_process_restarts_total") == {"": 1.0} for _ in range(4))
+
+        wait_for(restart_counted, 10, "the restart counted")
         # The new process serves audio: the core sends to its index again.
         before = _per_process(_stats_of_each(launched)[0], "requests_completed")
         results = _burst(launched, 4)

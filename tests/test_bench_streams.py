@@ -56,6 +56,7 @@ def test_measure_one_load_level_against_a_real_server(tiny_orpheus) -> None:
     assert (row["requests"], row["succeeded"], row["errors"]) == (6, 6, 0)
     assert len(seen) == 6
     assert abs(row["audio_seconds"] - 6 * 6 * 2048 / 24000) < 1e-3
+    assert row["stream_audio_s_min"] == row["stream_audio_s_max"] == round(6 * 2048 / 24000, 3)  # each stream's length
     assert row["ttfb_p50_ms"] is not None and row["server_cpu_s"] >= 0 and row["tokens_per_s"] > 0
     assert row["ttfb_p95_ms"] is not None and 0 < row["ttfb_p95_ms"] < 1e9
     # Whether 3 streams stayed real-time depends on this machine's timing; the row says which, and the

@@ -20,12 +20,12 @@ import websockets
 from websockets.asyncio.client import connect
 
 from orpheus_serve.api.cartesia import MAX_CONTEXTS_PER_CONNECTION
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import PROTOCOLS
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.request.types import PROTOCOLS
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
@@ -48,7 +48,7 @@ ERROR_FIELDS = {"type", "error", "message", "title", "error_code", "status_code"
 def greedy_server(tiny_orpheus: Path, tiny_snac: Path, **overrides: object) -> ServerThread:
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "scheduler.admission": "slots",
                                                      **overrides})
-    return ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    return ServerThread(config, build_service(config, record_tokens=True)).start()
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ async def one_context(server: ServerThread, transcript: str, **options: object) 
 
 def test_a_context_streams_chunks_then_done_and_sounds_like_rest(server: ServerThread) -> None:
     log = asyncio.run(one_context(server, REPLY, add_timestamps=True))
-    assert log.final == {"type": "done", "done": True, "status_code": 200, "context_id": "solo"}
+    assert log.final == {"type": "done", "done": True, "status_code": 206, "context_id": "solo"}
     chunks = [m for _, m in log.messages if m["type"] == "chunk"]
     assert chunks and all(set(m) == CHUNK_FIELDS and m["done"] is False and m["status_code"] == 206
                           for m in chunks)
@@ -130,7 +130,8 @@ def test_float_resampled_and_telephony_encodings(server: ServerThread) -> None:
     (generation("x", "Hi.", encoding="mp3"), "x", "encoding"),
     (generation("x", "Hi.", sample_rate=12345), "x", "sample_rate"),
     (json.dumps({"context_id": "x", "transcript": "Hi.", "output_format": {"container": "wav"}}), "x", "container"),
-    (json.dumps({"context_id": "x", "transcript": "Hi.", "voice": "tara"}), "x", "voice"),
+    (json.dumps({"context_id": "x", "transcript": "Hi.", "voice": 5}), "x", "voice"),
+    (json.dumps({"context_id": "x", "transcript": "Hi.", "voice": "nobody"}), "x", "unknown voice"),
     (generation("x", "Hi.", voice="nobody"), "x", "unknown voice"),
     (generation("x", "Hi.", max_buffer_delay_ms=-1), "x", "max_buffer_delay_ms"),
     (json.dumps({"context_id": "x", "cancel": "please"}), "x", "cancel"),
@@ -190,6 +191,10 @@ def test_flush_is_answered_after_its_audio(server: ServerThread) -> None:
     assert message == {"type": "flush_done", "context_id": "f", "done": False, "flush_done": True, "flush_id": 1,
                        "status_code": 206}
     assert "chunk" in kinds[:flush] and "chunk" in kinds[flush:] and kinds[-1] == "done"
+    # As Cartesia numbers them: the audio of the text sent after the first flush carries flush_id 1.
+    chunks = [(k, m) for k, (_, m) in enumerate(log.messages) if m["type"] == "chunk"]
+    assert all("flush_id" not in m for k, m in chunks if k < flush)
+    assert all(m["flush_id"] == 1 and set(m) == CHUNK_FIELDS | {"flush_id"} for k, m in chunks if k > flush)
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +254,7 @@ def test_a_cancel_stops_generation_within_two_engine_steps(tiny_orpheus: Path) -
     """Engine steps of 25 ms (the sim engine, pacing like a GPU under load), so the cancel's way from the
     client to the scheduler is a small part of one step, and the count says what the server does."""
     config = sim_config(tiny_orpheus, **{"engine.sim.step_base_ms": 25.0})
-    server = ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    server = ServerThread(config, build_service(config, record_tokens=True)).start()
 
     async def scenario() -> tuple[int, ContextLog]:
         logs: dict[str, ContextLog] = {}
@@ -363,7 +368,26 @@ def test_with_no_buffer_delay_every_transcript_is_its_own_chunk(server: ServerTh
     assert [m["flush_id"] for _, m in log.messages if m["type"] == "flush_done"] == [1, 2]
     stamps = [m["word_timestamps"]["words"] for _, m in log.messages if m["type"] == "timestamps"]
     assert stamps == [["Hello", "there"], ["How", "are", "you"]]
+    assert [m.get("flush_id") for _, m in log.messages if m["type"] == "timestamps"] == [None, 1]
     assert log.kinds[-1] == "done"
+
+
+def test_a_bare_voice_id_is_a_voice(server: ServerThread) -> None:
+    """The `cartesia` SDK 4 types `voice` as an id string or an object; both name the same voice."""
+    async def bare_voice() -> ContextLog:
+        logs: dict[str, ContextLog] = {}
+        message = {**json.loads(generation("bare", "Hello there.")), "voice": "leo"}
+        async with connect(ws_url(server)) as ws:
+            await ws.send(json.dumps(message))
+            await receive_until(ws, logs, {"bare"})
+        return logs["bare"]
+
+    bare = asyncio.run(bare_voice())
+    as_object = asyncio.run(one_context(server, "Hello there.", voice="leo"))
+    tara = asyncio.run(one_context(server, "Hello there.", voice="tara"))
+    assert bare.final["type"] == "done"
+    assert_same_audio(bytes(bare.audio), bytes(as_object.audio))
+    assert bytes(bare.audio) != bytes(tara.audio)
 
 
 async def receive_until_kind(ws: object, logs: dict[str, ContextLog], context_id: str, kind: str) -> None:

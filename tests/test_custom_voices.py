@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import SynthesisRequest
-from orpheus_serve.tiny_models import write_lora_adapter, write_lora_adapters
-from orpheus_serve.voice_catalog import VoiceCatalog
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.request.types import SynthesisRequest
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.voices import VoiceCatalog
+from orpheus_serve.weights.tiny import write_lora_adapter, write_lora_adapters
 from tests.gateway_support import check_openai_error, start_server, tiny_config
 
 KEY = "admin-key"
@@ -43,7 +43,7 @@ def voice_server(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path, *, engin
         "sampling.max_tokens": 140})
     if engine_process:
         return start_server(config)
-    return ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    return ServerThread(config, build_service(config, record_tokens=True)).start()
 
 
 def generated(server: ServerThread, response: httpx.Response) -> list[list[int]] | None:
@@ -180,7 +180,7 @@ def test_hot_load_and_unload_leave_running_streams_byte_identical(tiny_orpheus: 
 
 def test_custom_voices_on_riva_grpc_and_cartesia(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path) -> None:
     """Riva's config lists a model per custom voice and `English-US.<name>` speaks with it; gRPC ListVoices
-    lists them; Cartesia's voice id takes them."""
+    lists them; Cartesia's voice id and ElevenLabs' /v1/voices take them."""
     import grpc
     from riva.client.proto import riva_tts_pb2 as rtts
     from riva.client.proto import riva_tts_pb2_grpc as rtts_grpc
@@ -208,7 +208,21 @@ def test_custom_voices_on_riva_grpc_and_cartesia(tiny_orpheus: Path, tiny_snac: 
             assert len(response.audio) > 0
             listed = pb_grpc.SynthesizerStub(channel).ListVoices(pb.ListVoicesRequest(), metadata=metadata)
             assert {"voice0", "voice1", "voice2", "tara"} <= {v.id for v in listed.voices}
+        # ElevenLabs' voice list and voice lookup take the custom voices too ("cloned"); an unknown id is 404.
+        xi = {"xi-api-key": KEY}
+        cards = httpx.get(f"{server.base_url}/v1/voices", headers=xi).json()
+        by_id = {c["voice_id"]: c for c in cards["voices"]}
+        assert {"voice0", "voice1", "voice2", "tara"} <= set(by_id) and cards["total_count"] == len(by_id)
+        assert by_id["voice1"]["category"] == "cloned" and by_id["tara"]["category"] == "premade"
+        one = httpx.get(f"{server.base_url}/v1/voices/Voice1", headers=xi)
+        assert one.status_code == 200 and one.json()["voice_id"] == "voice1"
+        missing = httpx.get(f"{server.base_url}/v1/voices/nobody", headers=xi)
+        assert missing.status_code == 404 and "voice1" in missing.text
+        spoken = httpx.post(f"{server.base_url}/v1/text-to-speech/voice2?output_format=pcm_24000", headers=xi,
+                            json={"text": TEXT, "seed": 7}, timeout=120)
+        assert spoken.status_code == 200 and len(spoken.content) > 0
         states = {a["name"]: a["state"] for a in admin(server.base_url, "GET", headers=AUTH).json()["adapters"]}
         assert states["voice1"] == "resident"  # the Riva request ran on its adapter
+        assert states["voice2"] == "resident"  # and the ElevenLabs one on its own
     finally:
         server.stop()

@@ -1,117 +1,350 @@
-"""The GPU proof kit (scripts/gpu) runs end to end on a CPU with --dry-run, so it cannot rot.
+"""The GPU proof kit (scripts/gpu) before it meets a GPU box: the gate a run there must pass here first.
 
-One dry run of every stage (tiny model, CPU) into a temporary $OUT: each stage leaves one JSON
-and one Markdown table, within the at most 8 files a GPU box sends back; report.py merges them
-into a copy of docs/PERFORMANCE.md, keeps stages it was not given, and refuses dry-run numbers
-unless told otherwise.
+The box is bare: Python 3.12 with its image's packages (scripts/gpu/box-packages.txt) and no network,
+so whatever else a stage imports must travel as wheels (.whl/, from scripts/gpu/prepare.sh). The box
+is simulated (scripts/gpu/bare_box.py): a virtual environment holding only the box's packages found
+here, plus the pinned wheels installed as run.sh installs them. In it, every module the stages import
+must import and the check stage's GPU tests must be collected; without one needed wheel (pyzmq) it
+must fail. The wheels are downloaded for this interpreter's Python (same pins as the box's); the tests
+skip, saying why, where they cannot be.
+
+The full dry run of every stage in the simulated box (tiny models on the CPU, a few minutes) is
+marked `gpukit`: `pytest -m gpukit tests/test_gpu_kit.py` (or ORPHEUS_GPUKIT=1) runs it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("check", "engine", "codec", "serve")
+sys.path.insert(0, str(ROOT))
 
-pytestmark = pytest.mark.timeout(600)
+from scripts.gpu import bare_box, kit  # noqa: E402
+
+STAGES = ("check", "engine", "codec", "serve")
+PREPARE = ROOT / "scripts" / "gpu" / "prepare.sh"
+REPORT = [sys.executable, str(ROOT / "scripts" / "gpu" / "report.py")]
+
+
+def prepare_pins() -> dict[str, str]:
+    text = PREPARE.read_text()
+    return {m.group(1).lower(): m.group(2) for m in re.finditer(r"^\s+([A-Za-z0-9_.-]+)==(\S+)\s*$", text, re.M)}
+
+
+# ----------------------------------------------------------------- the simulated bare box
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gpu-out")
-    work = tmp_path_factory.mktemp("gpu-work")
-    env = {**os.environ, "OUT": str(out), "KIT_WORK": str(work), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "all", "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return out
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """prepare.sh's wheels for this interpreter's Python (the box's set, same pins)."""
+    dest = tmp_path_factory.mktemp("wheels")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    proc = subprocess.run(["bash", str(PREPARE)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WHL_DIR": str(dest), "WHL_PYTHON": version, "PYTHON": sys.executable})
+    if proc.returncode != 0:
+        pytest.skip(f"the kit's wheels cannot be prepared here (no package index?): {proc.stderr.strip()[-300:]}")
+    return dest
 
 
-def test_every_stage_writes_one_json_and_one_table(dry_run: Path) -> None:
-    files = sorted(p.name for p in dry_run.iterdir())
-    assert files == sorted(f"{s}.{ext}" for s in STAGES for ext in ("json", "md"))
-    assert len(files) <= 8  # what a GPU box sends back at most
-    for stage in STAGES:
-        data = json.loads((dry_run / f"{stage}.json").read_text())
-        assert data["stage"] == stage and data["dry_run"] is True
-        assert data["env"]["torch"] and data["stage_seconds"] >= 0
-        assert (dry_run / f"{stage}.md").read_text().startswith("| ")
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory, wheels: Path) -> tuple[Path, Path]:
+    """(python, wheels site) of the simulated bare box."""
+    dest = tmp_path_factory.mktemp("bare-box")
+    python = bare_box.make_bare_box(dest / "venv", wheels=wheels)
+    return python, dest / "venv" / "wheels-site"
 
 
-def test_stage_contents(dry_run: Path) -> None:
-    check = json.loads((dry_run / "check.json").read_text())
-    assert check["pytest"]["exit_code"] == 0 and check["pytest"]["failed"] == 0
-    assert "tests/test_torch_engine.py" in check["pytest"]["files"]
-
-    engine = json.loads((dry_run / "engine.json").read_text())
-    assert engine["exit_code"] == 0
-    combos = {(r["context"], r["constrained"], r["batch"]) for r in engine["rows"]}
-    assert combos == {(c, k, b) for c in (16, 24) for k in (True, False) for b in (1, 2)}
-    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in engine["rows"])
-    assert {r["graphs"] for r in engine["rows"]} == {False}  # CUDA graphs exist on CUDA only
-    assert engine["slots_that_fit"][0]["max_slots"] > 0
-
-    codec = json.loads((dry_run / "codec.json").read_text())
-    assert [r["batch"] for r in codec["rows"]] == [1, 2]
-    assert all(r["pass_ms_median"] > 0 and r["audio_s_per_gpu_s"] > 0 for r in codec["rows"])
-    assert codec["overlap"]["together_s"] > 0
-
-    serve = json.loads((dry_run / "serve.json").read_text())
-    assert serve["exit_code"] == 0, serve["error"]
-    assert [r["concurrency"] for r in serve["rows"]] == [1, 2]
-    assert all(r["succeeded"] == r["requests"] and r["errors"] == 0 for r in serve["rows"])
-    assert "Real-time streams at p95 TTFB" in (dry_run / "serve.md").read_text()
+def box_run(python: Path, site: Path | None, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(python), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=bare_box.box_env(site))
 
 
-def test_report_merges_into_the_performance_record(dry_run: Path, tmp_path: Path) -> None:
+def test_the_bare_box_holds_only_the_box_packages(box: tuple[Path, Path]) -> None:
+    python, _ = box
+    # The project's own dependencies that the box lacks are not there without the wheels...
+    for module in ("fastapi", "zmq", "snac", "riva.client"):
+        proc = box_run(python, None, "-c", f"import {module}")
+        assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, module
+    # ...while the box's own are.
+    assert box_run(python, None, "-c", "import torch, numpy, yaml, httpx, safetensors").returncode == 0
+
+
+def test_every_stage_module_imports_and_gpu_tests_collect_on_the_bare_box(box: tuple[Path, Path]) -> None:
+    python, site = box
+    proc = box_run(python, site, "scripts/gpu/kit.py", "imports", *STAGES)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = re.search(r"(\d+)/\d+ tests collected|(\d+) tests collected", proc.stdout)
+    assert collected and int(collected.group(1) or collected.group(2)) > 0, proc.stdout[-2000:]
+
+
+def test_the_bare_box_fails_without_a_needed_wheel(box: tuple[Path, Path], wheels: Path, tmp_path: Path) -> None:
+    python, _ = box
+    without = [w for w in sorted(wheels.glob("*.whl")) if not w.name.startswith("pyzmq-")]
+    assert len(without) == len(list(wheels.glob("*.whl"))) - 1
+    bare_box.install_wheels(python, without, tmp_path / "site")
+    proc = box_run(python, tmp_path / "site", "scripts/gpu/kit.py", "imports", "serve")
+    assert proc.returncode == 1
+    assert "cannot import zmq: ModuleNotFoundError" in proc.stderr
+
+
+# ----------------------------------------------------------------- pins, verdicts, report
+
+
+def test_prepare_pins_every_wheel_at_a_version_the_project_accepts() -> None:
+    from packaging.requirements import Requirement
+
+    pins = prepare_pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in [*project["dependencies"], *project["optional-dependencies"]["dev"]]]
+    checked = 0
+    for req in requirements:
+        name = bare_box.normalize(req.name)
+        if name in pins:
+            assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} vs {req}"
+            checked += 1
+    assert checked >= 10
+    assert pins["protobuf"].startswith("6.")  # the stubs' gencode; 7 must not reach the box
+    for needed in ("pyzmq", "msgpack", "pytest", "pluggy", "iniconfig", "pygments", "pytest-timeout",
+                   "nvidia-riva-client", "grpcio-health-checking"):
+        assert needed in pins, needed
+    assert "av" not in pins  # the stages stream PCM: PyAV need not travel
+
+
+def test_check_fails_unless_a_gpu_test_passed() -> None:
+    # On a GPU box every GPU test skipping (pytest exits 0) means CUDA was not seen: a failure.
+    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=False)
+    assert kit.check_verdict({"passed": 3, "failed": 1, "skipped": 0}, 1, dry_run=False)
+    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 0}, 5, dry_run=False)
+    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 0}, 5, dry_run=True)
+    assert kit.check_verdict({"passed": 12, "failed": 0, "skipped": 6}, 0, dry_run=False) == []
+    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=True) == []
+
+
+def test_check_runs_the_gpu_marked_test_files() -> None:
+    files = kit.gpu_test_files()
+    assert {"tests/test_torch_engine.py", "tests/test_codec_stateful.py", "tests/test_engine_sdpa.py"} <= set(files)
+    assert "tests/test_gpu_kit.py" not in files  # `gpukit` is not `gpu`
+
+
+def test_gpu_readings_tolerate_not_available_and_keep_zeros() -> None:
+    assert kit.parse_smi_numbers("37, 1234") == (37.0, 1234.0)
+    assert kit.parse_smi_numbers("[N/A], 1234") is None
+    summary = kit.summarize_gpu_samples([(0.0, 100.0), (80.0, 200.0)], not_available=1)
+    assert summary["util_mean_pct"] == 40.0 and summary["util_zero_samples"] == 1 and summary["not_available"] == 1
+
+
+def test_realtime_held_needs_full_length_streams() -> None:
+    row = {"concurrency": 8, "requests": 16, "succeeded": 16, "underrun_streams": 0, "ttfb_p95_ms": 120.0,
+           "short_streams": 0}
+    assert kit.realtime_held([row], 150) == 8 and kit.realtime_held([row], 100) is None
+    assert kit.realtime_held([{**row, "short_streams": 1}], 150) is None
+
+
+def stage_json(stage: str, **changes: object) -> dict[str, object]:
+    data: dict[str, object] = {
+        "stage": stage, "dry_run": False, "ok": True, "complete": True, "problems": [], "stage_seconds": 12.5,
+        "env": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "torch": "2.11.0+cu130", "torch_cuda": "13.0",
+                "date_utc": "2026-12-01 10:00"},
+        "table": f"| {stage} | value |\n|---|---|\n| x | 1 |"}
+    data.update(changes)
+    return data
+
+
+def write_results(folder: Path, *stages: dict[str, object]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for data in stages:
+        (folder / f"{data['stage']}.json").write_text(json.dumps(data))
+    return folder
+
+
+def test_report_refuses_failed_empty_and_dry_run_stages(tmp_path: Path) -> None:
     doc = tmp_path / "PERFORMANCE.md"
     shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
     original = doc.read_text()
-    report = [sys.executable, str(ROOT / "scripts" / "gpu" / "report.py")]
+    cases = {
+        "failed": stage_json("check", ok=False, problems=["no GPU test passed (18 skipped)"]),
+        "empty": stage_json("serve", table=""),
+        "dry run": stage_json("engine", dry_run=True),
+    }
+    for i, (why, data) in enumerate(cases.items()):
+        results = write_results(tmp_path / f"r{i}", stage_json("codec"), data)
+        proc = subprocess.run([*REPORT, str(results), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")],
+                              capture_output=True, text=True)
+        assert proc.returncode != 0 and "refused" in proc.stderr, why
+        assert doc.read_text() == original and not (tmp_path / "raw").exists(), why
 
-    refused = subprocess.run([*report, str(dry_run), "--doc", str(doc)], capture_output=True, text=True)
-    assert refused.returncode != 0 and "dry run" in refused.stderr and doc.read_text() == original
 
-    subprocess.run([*report, str(dry_run), "--doc", str(doc), "--allow-dry-run"], check=True, capture_output=True)
+def test_report_merges_stages_and_keeps_the_raw_json(tmp_path: Path) -> None:
+    doc = tmp_path / "PERFORMANCE.md"
+    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    original = doc.read_text()
+    first = write_results(tmp_path / "call1", stage_json("engine"), stage_json("serve"))
+    args = ["--doc", str(doc), "--raw-root", str(tmp_path / "raw")]
+    subprocess.run([*REPORT, str(first), *args], check=True, capture_output=True)
     merged = doc.read_text()
     assert merged.startswith(original.rstrip())  # the record above stays as it was
-    assert merged.count("<!-- gpu-kit:begin -->") == 1 and "DRY RUN" in merged
-    for stage in STAGES:
-        assert f"<!-- gpu-kit:stage {stage} -->" in merged
+    assert merged.count("<!-- gpu-kit:begin -->") == 1
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04, torch 2.11.0+cu130 (CUDA 13.0), 2026-12-01 10:00" in merged
+    raw = tmp_path / "raw" / "2026-12-01-nvidia-h100-80gb-hbm3"
+    assert json.loads((raw / "serve.json").read_text())["stage"] == "serve"
 
-    # A later call with one stage replaces that stage and keeps the others.
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    data = json.loads((dry_run / "codec.json").read_text())
-    data["env"]["gpu"] = "NVIDIA H100 80GB HBM3"
-    (partial / "codec.json").write_text(json.dumps(data))
-    (partial / "codec.md").write_text("| batch | ms |\n|---|---|\n| 1 | 0.5 |\n")
-    subprocess.run([*report, str(partial), "--doc", str(doc), "--allow-dry-run"], check=True, capture_output=True)
+    # The second call's stages join the first's; a partial stage is merged, marked as such.
+    second = write_results(tmp_path / "call2", stage_json("check"),
+                           stage_json("codec", complete=False, problems=["overlap not measured (deadline)"]))
+    subprocess.run([*REPORT, str(second), *args], check=True, capture_output=True)
     again = doc.read_text()
-    assert again.count("<!-- gpu-kit:begin -->") == 1
-    assert "| 1 | 0.5 |" in again and "NVIDIA H100 80GB HBM3" in again
     assert all(f"<!-- gpu-kit:stage {s} -->" in again for s in STAGES)
-    assert again.index("stage engine") < again.index("stage codec") < again.index("stage serve")
+    assert again.index("stage check") < again.index("stage engine") < again.index("stage codec") < again.index(
+        "stage serve")
+    assert "PARTIAL: overlap not measured (deadline)" in again
+    assert sorted(p.name for p in raw.iterdir()) == [f"{s}.json" for s in sorted(STAGES)]
 
 
-def test_run_sh_rejects_unknown_stages() -> None:
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "bogus", "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "usage" in proc.stderr
+def test_run_sh_rejects_unknown_stages_and_bad_budgets() -> None:
+    for args in (["bogus"], ["--budget", "soon", "check"], []):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), *args, "--dry-run"], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and "usage" in proc.stderr, args
 
 
-def test_prepare_names_every_wheel_the_gpu_box_lacks() -> None:
-    """What the server imports and the GPU box does not have is pinned in prepare.sh."""
-    prepare = (ROOT / "scripts" / "gpu" / "prepare.sh").read_text()
-    pinned = {line.strip().split("==")[0] for line in prepare.splitlines() if "==" in line and " " not in line.strip()}
-    needed = {"fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "websockets", "snac", "grpcio",
-              "grpcio-health-checking", "protobuf", "annotated-types", "typing-inspection", "opentelemetry-api"}
-    assert needed <= pinned | {"av"}, needed - pinned
-    assert "av==" in prepare
+def test_plots_are_skipped_without_matplotlib(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # as if not installed
+        "from pathlib import Path\n"
+        "from orpheus_serve.benchmarking.plots import plot_results\n"
+        "rows = [{'concurrency': c} for c in (1, 2)]\n"
+        f"print(plot_results({{'scaling': {{'rows': rows}}}}, Path({str(tmp_path / 'r')!r})))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]" and "matplotlib is not installed" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_in_process_server_needs_no_zeromq() -> None:
+    """Only a server whose engine core runs apart imports core.mp_client (and zmq, msgpack)."""
+    code = ("import sys; sys.modules['zmq'] = None; sys.modules['msgpack'] = None\n"  # as if not installed
+            "import orpheus_serve.api.server, orpheus_serve.api.launch, orpheus_serve.service.build\n"
+            "import orpheus_serve.service.service\n"
+            "print(sorted(m for m in sys.modules if m.startswith('orpheus_serve.') and m.endswith(\n"
+            "    ('mp_client', 'process_group', 'core.process', 'core.wire', 'core.transport', 'core.supervisor'))))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------- the full dry run (marked gpukit)
+
+
+@pytest.mark.gpukit
+@pytest.mark.timeout(900)
+def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], wheels: Path, tmp_path: Path) -> None:
+    python, _ = box
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**bare_box.box_env(None), "OUT": str(out), "KIT_WORK": str(work), "PYTHON": str(python),
+           "KIT_WHEELS": str(wheels), "KIT_SITE": str(tmp_path / "site")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "--budget", "800", "--dry-run", "all"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted([*(f"{s}.json" for s in STAGES), "logs.tar.gz"])  # at most 8 files come back
+    datas = {s: json.loads((out / f"{s}.json").read_text()) for s in STAGES}
+    for stage, data in datas.items():
+        assert data["stage"] == stage and data["dry_run"] is True and data["ok"] is True, data["problems"]
+        assert data["complete"] is True and data["table"].startswith("| ")
+    listing = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout
+    assert "logs/serve-server.log" in listing and "logs/check-pytest.log" in listing
+
+    check = datas["check"]["pytest"]
+    assert check["failed"] == 0 and check["skipped"] > 0 and "tests/test_torch_engine.py" in check["files"]
+
+    engine = datas["engine"]
+    rows = engine["bench"]["rows"]
+    assert {(r["context"], r["constrained"], r["batch"]) for r in rows} == {
+        (c, k, b) for c in (256, 512) for k in (True, False) for b in (1, 2)}
+    # Every step of a context's measurement attends within the graph bucket that ends at the context.
+    assert all(r["context"] // 2 < r["kv_len_first"] <= r["kv_len_last"] <= r["context"] for r in rows)
+    assert engine["slots_that_fit"][0]["max_slots"] > 0
+
+    codec = datas["codec"]
+    assert [r["batch"] for r in codec["rows"]] == [1, 2]
+    overlap = codec["overlap"]
+    assert overlap["steps_short"] == 0 and overlap["steps_checked"] == 3 * overlap["engine_steps"]
+
+    serve = datas["serve"]
+    assert "server.engine_process=true" in serve["overrides"] and serve["warmup"]["succeeded"] > 0
+    assert [r["concurrency"] for r in serve["rows"]] == [1, 2]
+    for row in serve["rows"]:
+        assert row["succeeded"] == row["requests"] and row["errors"] == 0 and row["short_streams"] == 0
+        for length in (row["stream_audio_s_min"], row["stream_audio_s_max"]):  # every utterance at full length
+            assert length == pytest.approx(serve["expected_stream_audio_s"], abs=0.01)
+        assert row["server_cpu_s_per_audio_s"] > 0
+
+    doc = tmp_path / "PERFORMANCE.md"
+    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    report = [*REPORT, str(out), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")]
+    refused = subprocess.run(report, capture_output=True, text=True)
+    assert refused.returncode != 0 and "dry run" in refused.stderr
+    subprocess.run([*report, "--allow-dry-run"], check=True, capture_output=True)
+    assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
+
+
+def test_a_stage_past_its_deadline_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:
+    """A stage that cannot stop by itself (here: frozen once its server and engine core are up) is ended
+    at the call's deadline with everything it started: nothing is left holding the card."""
+    import signal
+    import time
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "KIT_WORK": str(work), "PYTHON": sys.executable}
+    env.pop("KIT_WHEELS", None)
+    started = time.monotonic()
+    call = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "--budget", "60", "--dry-run", "serve"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # The stage's own process, then its group once the server's engine core has joined it.
+        group: set[int] = set()
+        while time.monotonic() - started < 45 and call.poll() is None:
+            # The stage's python itself, not `timeout` (whose command line holds the same words).
+            pattern = "^" + re.escape(f"{sys.executable} scripts/gpu/kit.py serve --results {out}")
+            stage = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+            pids = [int(p) for p in stage.stdout.split()]
+            if pids:
+                pgid = os.getpgid(pids[0])
+                group = {int(p) for p in subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True,
+                                                        text=True).stdout.split()}
+                if len(group) >= 3:  # the stage, production_server.py and its engine-core process
+                    os.kill(pids[0], signal.SIGSTOP)  # the stage can no longer stop anything itself
+                    break
+            time.sleep(0.5)  # polling a process table: there is nothing to wait on
+        assert len(group) >= 3, "the server and its engine core did not start in time"
+        output, _ = call.communicate(timeout=90)
+    finally:
+        if call.poll() is None:
+            call.kill()
+    assert call.returncode == 1, output
+    assert "=== serve done" in output and ("(exit 124)" in output or "(exit 137)" in output), output[-2000:]
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in group if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]) and (
+            time.monotonic() < deadline):
+        time.sleep(0.5)
+    assert not alive, f"left running: {alive}"
+    saved = json.loads((out / "serve.json").read_text())  # what the stage had written stays readable
+    assert saved["stage"] == "serve" and saved["ok"] is False
+    assert (out / "logs.tar.gz").exists()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1]
+    except (FileNotFoundError, IndexError):
+        return "Z"

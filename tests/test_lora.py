@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.engines.llama import LlamaConfig, load_transformer
 from orpheus_serve.engines.lora import (
     AdapterError,
@@ -28,8 +28,8 @@ from orpheus_serve.engines.lora import (
     read_peft_adapter,
 )
 from orpheus_serve.engines.torch_engine import TorchEngine
-from orpheus_serve.step import PrefillChunk, SamplingParams, StepOutput, StepPlan
-from orpheus_serve.tiny_models import write_lora_adapter, write_lora_adapters
+from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.weights.tiny import write_lora_adapter, write_lora_adapters
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_RANK = 8

@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 from orpheus_serve.api.gateway import voice_list
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import decode_audio
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.browser_support import ARTIFACTS, CHROMIUM_ARGS, ROOT, Tab, chromium_path, open_tab, sync_playwright
 from tests.gateway_support import sim_config, start_server, stats, tiny_config, wait_for
 
@@ -106,6 +106,22 @@ def test_page_loads_clean_with_voices_from_the_server(tab: Tab, server: ServerTh
     tab.wait("/^\\d+$/.test(document.getElementById('s-active').textContent)", 5, "server panel filled")
     assert page.inner_text("#readiness") == "server ready"
     assert page.inner_text("#s-kv") == f"0 / {server.server.config.scheduler.max_concurrent_sessions}"
+    # The server's own warning, naming the missing checkpoints, is one click away.
+    assert page.is_hidden("#tiny-text")
+    page.click("#tiny-banner summary")
+    assert "not found" in page.inner_text("#tiny-text")
+    page.click("#tiny-banner summary")
+    # Every compatible API, with the addresses a client of this server would use.
+    endpoints = page.eval_on_selector_all("#endpoints dt", "terms => terms.map(t => t.textContent)")
+    assert endpoints == ["OpenAI", "Native WebSocket", "Cartesia", "ElevenLabs", "gRPC", "Monitoring"]
+    panel = page.inner_text("#endpoints")
+    for needed in (f"{server.base_url}/v1", f"{server.base_url.replace('http', 'ws')}/v1/audio/stream",
+                   f"{server.base_url.replace('http', 'ws')}/tts/websocket", "/tts/bytes", "/tts/sse",
+                   "/v1/text-to-speech/{voice_id}", "stream-input", "multi-stream-input", "/v1/voices",
+                   "orpheus.v1.Synthesizer", "RivaSpeechSynthesis", "/metrics", "/v1/stats"):
+        assert needed in panel, (needed, panel)
+    for link in page.eval_on_selector_all("#endpoints a", "links => links.map(a => a.href)"):
+        assert httpx.get(link).status_code == 200, link
     assert page.eval_on_selector_all("#tags button", "chips => chips.map(c => c.textContent)") == [
         "<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groan>", "<yawn>", "<gasp>"]
 
@@ -214,6 +230,10 @@ def test_speak_streams_audio_through_the_worklet_and_the_server_counts_it(tab: T
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "playground.png"
     assert tab.page.is_hidden("#error-banner")
+    # The screenshot goes into the README: nothing of this machine's folders in what it shows.
+    visible = tab.page.inner_text("body")
+    assert server.server.service.model_info.model_path not in visible
+    assert not re.search(r"/tmp/|pytest-|/home/|/root/", visible), visible
     tab.page.screenshot(path=str(shot), full_page=True)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     if os.environ.get("UPDATE_SCREENSHOTS") == "1":
@@ -256,28 +276,56 @@ def test_stop_cancels_on_the_server_and_the_audio_stops(tab: Tab, server: Server
     assert tab.errors == []
 
 
-def test_typing_speaks_each_sentence_as_it_is_finished(tab: Tab) -> None:
+def _live_jobs(tab: Tab) -> list[dict[str, Any]]:
+    return [j for j in tab.snapshot()["jobs"] if j["origin"] == "live"]
+
+
+def test_typing_streams_each_sentence_into_one_context_as_it_is_finished(tab: Tab, server: ServerThread) -> None:
     page = tab.page
+    before = stats(server)["gateway"]["requests"]["ws"]
     page.click("#live-text")
     page.keyboard.type("Hello there, and welcome to the show. ")
-    # Sent while the person is still typing: before the second sentence exists.
+    # Sent while the person is still typing: the context opens with the first sentence.
     tab.wait("window.orpheusPlayground.snapshot().jobs.some(j => j.origin === 'live' && j.state !== 'queued')",
-             10, "first sentence sent")
+             10, "context opened")
     page.keyboard.type("How are you")
     time.sleep(0.3)
-    assert len([j for j in tab.snapshot()["jobs"] if j["origin"] == "live"]) == 1  # no boundary yet
+    (context,) = _live_jobs(tab)
+    assert context["contextId"] == context["id"] and context["flushes"] == 1  # no boundary yet
+    assert context["text"] == "Hello there, and welcome to the show. "
     page.keyboard.type("? ")
-    tab.wait("window.orpheusPlayground.snapshot().jobs.filter(j => j.origin === 'live' && j.state === 'done')"
-             ".length === 2", 60, "both sentences spoken")
-    live = [j for j in tab.snapshot()["jobs"] if j["origin"] == "live"]
-    assert [j["text"] for j in live] == ["Hello there, and welcome to the show.", "How are you?"]
-    assert all(j["ttfbMs"] > 0 and j["bytes"] > 0 for j in live)
-    # One continuous stream: both requests' audio went to the same utterance, back to back.
+    tab.wait("(() => { const live = window.orpheusPlayground.snapshot().jobs.filter(j => j.origin === 'live');"
+             " return live.length === 1 && live[0].flushed === 2; })()", 60, "both sentences spoken")
+    # One request for both sentences: one context, open until it idles out or is stopped; the server cut
+    # its text into one generation chunk per flushed sentence, spoken back to back.
+    (context,) = _live_jobs(tab)
+    assert context["text"] == "Hello there, and welcome to the show. How are you? "
+    assert context["state"] == "streaming" and context["flushes"] == 2 and context["bytes"] > 0
+    tab.wait("window.orpheusPlayground.snapshot().jobs.filter(j => j.origin === 'live')[0].chunks.length === 2",
+             10, "both chunks' timings")
+    assert _live_jobs(tab)[0]["chunks"] == ["Hello there, and welcome to the show.", "How are you?"]
+    assert stats(server)["gateway"]["active_streams"]["ws"] == 1
     utterance = tab.snapshot()["utterance"]
-    assert utterance["jobs"] == [j["id"] for j in live]
-    assert utterance["bytes"] == sum(j["bytes"] for j in live)
+    assert utterance["jobs"] == [context["id"]] and utterance["bytes"] == context["bytes"]
     items = page.eval_on_selector_all("#live-list li", "items => items.map(i => i.dataset.state)")
-    assert items == ["done", "done"]
+    assert items == ["spoken", "spoken"]
+    assert re.fullmatch(r"spoken · first audio \d+ ms", page.inner_text("#live-list li .state"))
+    # Everything flushed has played out: the page's player ran dry without counting an underrun for it.
+    tab.wait("window.orpheusPlayground.snapshot().player.state === 'idle'", 30, "played out")
+    assert tab.snapshot()["streaming"] is True  # still the context's stream, waiting for more text
+
+    # Clear stops the context: the server counts one request, cancelled, for both sentences.
+    page.click("#live-clear")
+    wait_for(lambda: stats(server)["gateway"]["requests"]["ws"].get("cancelled", 0) == before.get("cancelled", 0) + 1,
+             5, "the context's request counted")
+    assert stats(server)["gateway"]["active_streams"]["ws"] == 0
+    assert _live_jobs(tab)[0]["state"] == "cancelled"
+    assert page.eval_on_selector_all("#live-list li", "items => items.length") == 0
+    # The next sentence opens a new context.
+    page.keyboard.type("Back again. ")
+    tab.wait("window.orpheusPlayground.snapshot().jobs.filter(j => j.origin === 'live' && j.flushed === 1)"
+             ".length === 1 && window.orpheusPlayground.snapshot().jobs.filter(j => j.origin === 'live').length === 2",
+             60, "a second context spoke")
     assert tab.errors == []
 
 

@@ -1,41 +1,54 @@
 #!/usr/bin/env python3
-"""GPU proof kit: the stages `scripts/gpu/run.sh` runs, each writing STAGE.json and STAGE.md.
+"""GPU proof kit: the stages `scripts/gpu/run.sh` runs, each writing STAGE.json into the results folder.
 
-    python scripts/gpu/kit.py STAGE --results DIR [--work DIR] [--dry-run]
+    python scripts/gpu/kit.py STAGE --results DIR [--work DIR] [--deadline UNIX_TIME] [--dry-run]
+    python scripts/gpu/kit.py imports STAGE... [--dry-run]   # only import what the stages import
 
-Stages (each well under ten minutes on one H100):
+Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100, two stages a call):
 
 - check:  nvidia-smi, the torch and CUDA versions, and `pytest -m gpu` over the test files that
-          have GPU tests (CUDA-graph decode against eager, the codec stream, FP16 SNAC, the
-          memory planner on the card).
+          have GPU tests. Fails unless some GPU test passed: on a GPU box, all of them skipping
+          means the box was not used.
 - engine: writes an Orpheus-3B-shaped random checkpoint (the exact config of
-          canopylabs/orpheus-3b-0.1-ft; weight values do not change speed) on the GPU, then
-          `scripts/bench_engine.py`: decode step ms and tokens/s per batch size, at two
-          contexts, CUDA graphs on and off, the constraint on and off, and the memory plan.
+          canopylabs/orpheus-3b-0.1-ft; weight values do not change speed), then
+          `scripts/bench_engine.py` (weights loaded once, straight to the GPU): decode step ms and
+          tokens/s per batch size at two KV lengths, each inside one CUDA-graph bucket, CUDA graphs
+          on and off, the constraint on and off, the attention kernel that ran; then the memory
+          plan (slots that fit) against the card's free memory.
 - codec:  the stateful SNAC decoder in FP16 on its own CUDA stream: ms per decode pass at each
-          batch size, audio seconds decoded per GPU second, and overlap with engine decode
-          steps (both at once against each alone).
-- serve:  the real server (torch backend, bf16, CUDA graphs, codec on its stream) with the 3B-shaped
-          model, and `benchmark.py --mode scaling` over gRPC with fixed-length utterances (the
-          model is random, so --max-tokens sets the length): real-time streams at p95 TTFB under
-          150 ms, GPU utilisation, server CPU per audio second.
+          batch size, audio seconds decoded per GPU second, overlap with engine decode steps (both
+          at once against each alone; every step checked to have decoded every row), and FP16 against
+          FP32 on the same codes (SNR).
+- serve:  the production shape: production_server.py with the engine core in its own process
+          (server.engine_process), torch backend, bf16, CUDA graphs, the codec on its own stream,
+          the 3B-shaped model; a warm-up level, then stepped concurrency levels over gRPC with
+          arrivals spread over a ramp and fixed-length utterances (the model is random, so
+          --max-tokens sets the length; each stream's length is checked). Real-time streams held at
+          p95 TTFB under 150 ms and under 300 ms, server CPU per audio second (API and engine-core
+          processes), GPU utilisation sampled during the levels only.
 
-`--dry-run` runs the same code with tiny shapes on the CPU (the tiny random models), so the kit
-is exercised by the test suite on machines without a GPU. Models and scratch files go under
---work (outside the results folder: only the JSON and Markdown files come back from a GPU box).
+Every stage rewrites its STAGE.json (numbers, a Markdown table, `ok`, `complete`, `problems`) with
+an atomic rename after every piece it measures, and stops starting new pieces as its deadline nears:
+a stage cut short still leaves what it measured. `--dry-run` runs the same code with tiny shapes on
+the CPU (tiny random models), so the kit runs end to end on machines without a GPU. Models and logs
+go under --work, outside the results folder (run.sh returns the logs as one archive).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,7 +59,24 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 STAGES = ("check", "engine", "codec", "serve")
-TTFB_TARGET_MS = 150.0
+TTFB_TARGETS_MS = (150.0, 300.0)
+
+# What each stage imports, checked first (and by tests/test_gpu_kit.py in an environment holding only the
+# GPU box's packages plus .whl/): a module missing there fails in seconds, not minutes into a stage.
+STAGE_MODULES: dict[str, tuple[str, ...]] = {
+    "check": ("pytest", "pytest_timeout", "torch"),
+    "engine": ("torch", "safetensors", "orpheus_serve.weights.tiny", "orpheus_serve.engines.torch_engine",
+               "scripts.bench_engine"),
+    "codec": ("torch", "snac", "orpheus_serve.weights.tiny", "orpheus_serve.codec.loader",
+              "orpheus_serve.codec.stateful", "orpheus_serve.engines.torch_engine"),
+    "serve": ("torch", "snac", "zmq", "msgpack", "grpc", "uvicorn", "fastapi", "orpheus_serve.weights.tiny",
+              "production_server", "orpheus_serve.api.server", "orpheus_serve.api.launch",
+              "orpheus_serve.service.build", "orpheus_serve.core.mp_client", "orpheus_serve.core.process",
+              "orpheus_serve.engines.torch_engine",
+              "orpheus_serve.codec.stateful", "orpheus_serve.codec.worker", "orpheus_serve.benchmarking.launch",
+              "orpheus_serve.benchmarking.runner", "orpheus_serve.benchmarking.plots",
+              "orpheus_serve.client.protocols"),
+}
 
 
 @dataclass(frozen=True)
@@ -57,7 +87,7 @@ class Shapes:
     device: str
     dtype: str
     batches: list[int]
-    contexts: list[int]
+    contexts: list[int]  # KV lengths the engine bench reaches: each the top of one CUDA-graph bucket
     steps: int
     rounds: int
     warmup: int
@@ -65,31 +95,77 @@ class Shapes:
     codec_passes: int
     overlap_batch: int
     overlap_steps: int
-    serve_concurrent: int
+    serve_warmup_concurrency: int
+    serve_levels: list[int]
+    serve_requests_per_stream: int  # requests per level = this x concurrency (closed loop)
+    serve_ramp_s: float  # a level's first requests arrive spread evenly over this
     serve_max_tokens: int
-    serve_requests: int | None  # None: the benchmark's default (2 x concurrency per level)
     serve_max_seq_len: int
     memory_plan_seq_lens: list[int] = field(default_factory=lambda: [1024, 4096])
 
 
-REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 8, 32, 64, 128, 256], contexts=[256, 1024],
+REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256], contexts=[256, 1024],
               steps=8, rounds=3, warmup=2, codec_batches=[1, 8, 32, 64, 128, 256], codec_passes=20,
-              overlap_batch=64, overlap_steps=64, serve_concurrent=256, serve_max_tokens=280, serve_requests=None,
-              serve_max_seq_len=1024)
-DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts=[16, 24], steps=2, rounds=1,
+              overlap_batch=64, overlap_steps=64, serve_warmup_concurrency=4, serve_levels=[8, 16, 32, 64, 96, 128],
+              serve_requests_per_stream=2, serve_ramp_s=2.0, serve_max_tokens=280, serve_max_seq_len=1024)
+DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts=[256, 512], steps=2, rounds=1,
              warmup=1, codec_batches=[1, 2], codec_passes=2, overlap_batch=2, overlap_steps=4,
-             serve_concurrent=2, serve_max_tokens=28, serve_requests=2, serve_max_seq_len=256,
-             memory_plan_seq_lens=[256])
+             serve_warmup_concurrency=1, serve_levels=[1, 2], serve_requests_per_stream=1, serve_ramp_s=0.2,
+             serve_max_tokens=28, serve_max_seq_len=256, memory_plan_seq_lens=[256])
 
 
-# ----------------------------------------------------------------- output
+# ----------------------------------------------------------------- one stage's run
 
 
-def write_stage(results: Path, stage: str, data: dict[str, Any], table: str) -> None:
-    """STAGE.json (everything measured) and STAGE.md (the table the report shows)."""
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{stage}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    (results / f"{stage}.md").write_text(table.rstrip() + "\n")
+class StageRun:
+    """One stage: its shapes, folders and deadline, and its STAGE.json, rewritten atomically on save()."""
+
+    def __init__(self, stage: str, shapes: Shapes, *, results: Path, work: Path, deadline: float,
+                 dry_run: bool) -> None:
+        self.stage, self.shapes, self.results, self.work = stage, shapes, results, work
+        self.deadline, self.dry_run = deadline, dry_run
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        results.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        self.data: dict[str, Any] = {"stage": stage, "dry_run": dry_run, "ok": False, "complete": False,
+                                     "problems": [], "shapes": asdict(shapes)}
+        self.table = ""
+
+    def left(self) -> float:
+        """Seconds to this stage's deadline."""
+        return self.deadline - time.time()
+
+    def problem(self, text: str) -> None:
+        print(f"{self.stage}: PROBLEM: {text}", flush=True)
+        self.data["problems"].append(text)
+
+    def save(self) -> None:
+        self.data["stage_seconds"] = round(time.monotonic() - self.started, 1)
+        self.data["table"] = self.table
+        path = self.results / f"{self.stage}.json"
+        scratch = path.with_name(path.name + ".tmp")
+        scratch.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        scratch.replace(path)  # atomic: a reader, or a kill, never sees half a file
+
+    def run(self, cmd: list[str], *, log_name: str, reserve_s: float = 10.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """`cmd` with what is left of the deadline (less `reserve_s` to write results), output to logs/."""
+        timeout = max(5.0, self.left() - reserve_s)
+        print("$ " + " ".join(cmd), flush=True)
+        log = self.logs / log_name
+        with log.open("w") as out:
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                      timeout=timeout, env={**os.environ, **(env or {})})
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = 124
+        text = log.read_text(errors="replace")
+        if code == 124:
+            self.problem(f"{log_name.removesuffix('.log')} cut short (deadline)")
+        print(text[-3000:], flush=True)
+        return subprocess.CompletedProcess(cmd, code, text, "")
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -100,39 +176,11 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
             return "on" if value else "off"
         if isinstance(value, float):
             return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
-        return str(value)
+        return str(value).replace("|", "/")
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-# A GPU box gives one command ten minutes: a stage's subprocess gets what is left of this budget, so
-# that a slow run still ends with its JSON and table written (marked as cut short).
-STAGE_BUDGET_S = float(os.environ.get("KIT_STAGE_BUDGET_S", "560"))
-_STAGE_STARTED = time.monotonic()
-
-
-def budget_left(reserve_s: float = 20.0) -> float:
-    return max(30.0, STAGE_BUDGET_S - (time.monotonic() - _STAGE_STARTED) - reserve_s)
-
-
-def run(cmd: list[str], *, timeout_s: float, log: Path | None = None, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[str]:
-    print("$ " + " ".join(cmd), flush=True)
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=min(timeout_s, budget_left()),
-                              env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as exc:
-        def text(out: str | bytes | None) -> str:
-            return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-        proc = subprocess.CompletedProcess(cmd, 124, text(exc.stdout), text(exc.stderr) + "\n(cut short: stage budget)")
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(proc.stdout + proc.stderr)
-    print(proc.stdout[-4000:] + proc.stderr[-2000:], flush=True)
-    return proc
 
 
 def environment() -> dict[str, Any]:
@@ -143,6 +191,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cuda_available": torch.cuda.is_available(),
         "cpu_count": os.cpu_count(),
     }
@@ -151,13 +200,15 @@ def environment() -> dict[str, Any]:
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                     capability=".".join(map(str, torch.cuda.get_device_capability(0))),
                     multiprocessors=props.multi_processor_count)
-    smi = _nvidia_smi("name,memory.total,driver_version")
+    smi = nvidia_smi("name,memory.total,driver_version")
     if smi:
         info["nvidia_smi"] = smi
+        info["driver"] = smi[0].split(",")[-1].strip()
     from importlib.metadata import PackageNotFoundError, version
 
     packages = {}
-    for name in ("fastapi", "pydantic", "uvicorn", "websockets", "grpcio", "protobuf", "snac", "av", "transformers"):
+    for name in ("fastapi", "pydantic", "uvicorn", "websockets", "grpcio", "protobuf", "pyzmq", "msgpack", "snac",
+                 "pytest", "numpy", "triton"):
         try:
             packages[name] = version(name)
         except PackageNotFoundError:
@@ -166,7 +217,7 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def _nvidia_smi(query: str) -> list[str]:
+def nvidia_smi(query: str) -> list[str]:
     try:
         proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=20)
@@ -179,14 +230,26 @@ def machine_label(env: dict[str, Any]) -> str:
     return env.get("gpu") or f"CPU ({env.get('cpu_count')} cores, dry run)"
 
 
+def import_stage_modules(stage: str) -> list[str]:
+    """Import what `stage` imports; the failures, as 'module: error' lines."""
+    failures = []
+    for name in STAGE_MODULES[stage]:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any import-time failure is the answer this check gives
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failures
+
+
 # ----------------------------------------------------------------- models
 
 
-def ensure_models(work: Path, shapes: Shapes) -> tuple[Path, Path]:
-    """(Llama folder, SNAC folder): written once per machine under `work`."""
-    from orpheus_serve.tiny_models import write_llama, write_snac
+def ensure_models(run: StageRun) -> tuple[Path, Path]:
+    """(Llama folder, SNAC folder): written once per machine under the work folder."""
+    from orpheus_serve.weights.tiny import write_llama, write_snac
 
-    models = work / "models"
+    shapes = run.shapes
+    models = run.work / "models"
     llama = models / f"orpheus-{shapes.preset}"
     snac = models / "snac-random"
     if not (llama / "model.safetensors").exists():
@@ -194,35 +257,70 @@ def ensure_models(work: Path, shapes: Shapes) -> tuple[Path, Path]:
 
         started = time.perf_counter()
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[shapes.dtype]
-        write_llama(llama, shapes.preset, seed=0, device=shapes.device, dtype=dtype)
+        scratch = llama.with_name(llama.name + ".partial")  # a kill mid-write leaves no folder that looks whole
+        write_llama(scratch, shapes.preset, seed=0, device=shapes.device, dtype=dtype)
+        scratch.replace(llama)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the stage's own engines and subprocesses get the card's memory back
         print(f"wrote {llama} in {time.perf_counter() - started:.1f} s", flush=True)
     if not (snac / "pytorch_model.bin").exists():
         write_snac(snac, seed=0)  # the real snac_24khz architecture, random weights
     return llama, snac
 
 
-# ----------------------------------------------------------------- stages
+# ----------------------------------------------------------------- check
 
 
-def stage_check(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, Any], str]:
-    env = environment()
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                   if "mark.gpu" in p.read_text())
-    junit = work / "check-junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *files]
-    proc = run(cmd, timeout_s=480, log=work / "check-pytest.log")
+def check_verdict(counts: dict[str, int], exit_code: int, *, dry_run: bool) -> list[str]:
+    """What makes the check stage fail. On a GPU box at least one GPU test must pass: every one skipping
+    (pytest then exits 0) means CUDA was not seen. A dry run on a CPU skips them all by design."""
+    problems = []
+    if counts["failed"]:
+        problems.append(f"{counts['failed']} GPU test(s) failed")
+    if counts["passed"] + counts["failed"] + counts["skipped"] == 0:
+        problems.append("no GPU test was collected")
+    elif not dry_run and counts["passed"] == 0:
+        problems.append(f"no GPU test passed ({counts['skipped']} skipped): the tests did not see the GPU")
+    if exit_code not in (0, 5) or (exit_code == 5 and not problems):
+        problems.append(f"pytest exited {exit_code}")
+    return problems
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with `gpu`-marked tests (not `gpukit`, the kit's own dry run)."""
+    marked = re.compile(r"mark\.gpu\b")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if marked.search(p.read_text()))
+
+
+def pytest_command(files: list[str], *extra: str) -> tuple[list[str], dict[str, str]]:
+    """`pytest -m gpu` as the check stage runs it. The box's own pytest plugins (benchmark, cov, xdist...)
+    are not loaded: only pytest-timeout, which pyproject's `timeout` setting needs."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "pytest_timeout", "-p", "no:cacheprovider",
+           *extra, *files]
+    return cmd, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def stage_check(run: StageRun) -> None:
+    env = run.data["env"]
+    files = gpu_test_files()
+    junit = run.work / "check-junit.xml"
+    junit.unlink(missing_ok=True)
+    cmd, extra_env = pytest_command(files, f"--junitxml={junit}")
+    proc = run.run(cmd, log_name="check-pytest.log", env=extra_env)
     counts = _junit_counts(junit)
     failures = _junit_failures(junit)
-    data = {"stage": "check", "dry_run": dry_run, "env": env, "pytest": {
-        "files": files, "exit_code": proc.returncode, **counts, "failures": failures}}
-    rows = [["machine", machine_label(env)], ["torch / CUDA", f"{env['torch']} / {env['torch_cuda']}"]]
+    for text in check_verdict(counts, proc.returncode, dry_run=run.dry_run):
+        run.problem(text)
+    run.data["pytest"] = {"files": files, "exit_code": proc.returncode, **counts, "failures": failures}
+    rows = [["machine", machine_label(env)], ["torch / CUDA / cuDNN", f"{env['torch']} / {env['torch_cuda']} / "
+                                                                     f"{env['cudnn']}"]]
     if env.get("nvidia_smi"):
-        rows.append(["nvidia-smi", "; ".join(env["nvidia_smi"])])
+        rows.append(["nvidia-smi (name, MiB, driver)", "; ".join(env["nvidia_smi"])])
     rows.append(["pytest -m gpu", f"{counts['passed']} passed, {counts['failed']} failed, "
                                   f"{counts['skipped']} skipped (exit {proc.returncode})"])
-    rows += [[f"failed: {name}", message[:160].replace("|", "/").replace("\n", " ")] for name, message in failures]
-    return data, markdown_table(["check", "result"], rows)
+    rows += [[f"failed: {name}", message[:160].replace("\n", " ")] for name, message in failures]
+    run.table = markdown_table(["check", "result"], rows)
+    run.data["complete"] = proc.returncode != 124
 
 
 def _junit_counts(path: Path) -> dict[str, int]:
@@ -255,38 +353,54 @@ def _junit_failures(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def stage_engine(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, Any], str]:
-    env = environment()
-    llama, _ = ensure_models(work, shapes)
-    raw = work / "engine-bench.json"
+# ----------------------------------------------------------------- engine
+
+
+def stage_engine(run: StageRun) -> None:
+    shapes = run.shapes
+    llama, _ = ensure_models(run)
+    raw = run.work / "engine-bench.json"
+    raw.unlink(missing_ok=True)  # never report an earlier run's rows
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--presets", "", "--model", str(llama),
-           "--device", shapes.device, "--dtype", shapes.dtype,
+           "--device", shapes.device, "--dtype", shapes.dtype, "--contexts-are-kv-tops",
            "--batches", ",".join(map(str, shapes.batches)), "--contexts", ",".join(map(str, shapes.contexts)),
            "--graphs", "on,off", "--constrained", "on,off", "--steps", str(shapes.steps),
-           "--rounds", str(shapes.rounds), "--warmup", str(shapes.warmup), "--json", str(raw)]
-    raw.unlink(missing_ok=True)  # never report an earlier run's rows
-    proc = run(cmd, timeout_s=540, log=work / "engine-bench.log")
-    # bench_engine.py rewrites its JSON after every configuration: a run cut short keeps what it measured.
-    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": []}
+           "--rounds", str(shapes.rounds), "--warmup", str(shapes.warmup), "--json", str(raw),
+           # No configuration starts in the last minute: one takes tens of seconds at batch 256.
+           "--deadline", str(run.deadline - 60)]
+    if run.dry_run:
+        cmd += ["--threads", "1"]
+    proc = run.run(cmd, log_name="engine-bench.log", reserve_s=30)
+    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": [], "complete": False}
+    if proc.returncode not in (0, 124):
+        run.problem(f"bench_engine.py exited {proc.returncode}: {proc.stdout[-600:]}")
+    if not bench.get("complete"):
+        run.problem("not every configuration was measured (deadline)")
     from scripts.bench_engine import memory_plan
 
+    # Nothing else holds the card now: the plan is against its real free memory.
     plans = [memory_plan(llama, slots=max(shapes.batches), max_seq_len=n, device=shapes.device, dtype=shapes.dtype)
              for n in shapes.memory_plan_seq_lens]
-    data = {"stage": "engine", "dry_run": dry_run, "env": env, "model": llama.name, "exit_code": proc.returncode,
-            "error": None if proc.returncode == 0 else proc.stderr[-3000:], **bench, "slots_that_fit": plans}
-    rows = [[r["context"], r["graphs"], r["constrained"], r["batch"], r["step_ms"], r["tokens_per_s"],
-             r["x_batch_1"]] for r in bench["rows"]]
-    table = markdown_table(["context", "CUDA graphs", "constrained", "batch", "step ms", "tokens/s", "x batch 1"],
-                           rows)
-    plan_rows = [[p["max_seq_len"], p["weights_gib"], p["kv_mib_per_slot"], p["budget_gib"], p["max_slots"]]
-                 for p in plans]
-    table += "\n\nMemory plan (engine planner, 90% of free memory):\n\n" + markdown_table(
-        ["max_seq_len", "weights GiB", "KV MiB / slot", "budget GiB", "slots that fit"], plan_rows)
-    if proc.returncode != 0:
-        cut = " (cut short by the stage's time budget: the rows above are what it measured)" if (
-            proc.returncode == 124) else ""
-        table += f"\n\nbench_engine.py failed (exit {proc.returncode}){cut}; see engine.json"
-    return data, table
+    run.data.update(model=llama.name, bench=bench, slots_that_fit=plans)
+    rows = bench["rows"]
+    kernels = sorted({str(r.get("sdpa")) for r in rows})
+    run.data["sdpa"] = kernels
+    run.table = markdown_table(
+        ["KV lengths", "CUDA graphs", "constrained", "batch", "step ms", "tokens/s", "x batch 1"],
+        [[f"{r['kv_len_first']}-{r['kv_len_last']}", r["graphs"], r["constrained"], r["batch"], r["step_ms"],
+          r["tokens_per_s"], r["x_batch_1"]] for r in rows])
+    run.table += f"\n\nAttention (SDPA) kernel: {', '.join(kernels) or '-'}."
+    run.table += "\n\nMemory plan (engine planner, 90% of the free memory measured with nothing loaded):\n\n"
+    run.table += markdown_table(
+        ["slots", "max_seq_len", "free GiB", "weights GiB", "KV MiB / slot", "budget GiB", "slots that fit"],
+        [[p["slots"], p["max_seq_len"], p["free_gib_measured"], p["weights_gib"], p["kv_mib_per_slot"],
+          p["budget_gib"], p["max_slots"]] for p in plans])
+    if not rows:
+        run.problem("no engine configuration was measured")
+    run.data["complete"] = bool(bench.get("complete")) and proc.returncode == 0
+
+
+# ----------------------------------------------------------------- codec
 
 
 def _half_precision_snr(snac_dir: Path, device: str, codes: Any) -> dict[str, Any]:
@@ -303,23 +417,24 @@ def _half_precision_snr(snac_dir: Path, device: str, codes: Any) -> dict[str, An
                   for i in range(0, len(codes), 2)]
         return np.concatenate(pieces).astype(np.float64)
 
-    reference, half = stream("fp32"), stream("fp16")
+    half_dtype = "fp16" if device.startswith("cuda") else "fp32"  # CPU: no FP16 kernels worth timing
+    reference, half = stream("fp32"), stream(half_dtype)
     error = float(np.sum((reference - half) ** 2))
     snr = float("inf") if error == 0 else 10 * np.log10(float(np.sum(reference**2)) / error)
-    return {"frames": len(codes), "snr_db": round(snr, 1), "expected_min_db": 40}
+    return {"frames": len(codes), "dtype": half_dtype, "snr_db": round(snr, 1), "expected_min_db": 40}
 
 
-def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, Any], str]:
+def stage_codec(run: StageRun) -> None:
     import numpy as np
     import torch
 
     from orpheus_serve.codec.base import CodecPush
     from orpheus_serve.codec.loader import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
-    from orpheus_serve.protocol import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
+    from orpheus_serve.token_format import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
 
-    env = environment()
-    llama, snac_dir = ensure_models(work, shapes)
+    shapes = run.shapes
+    llama, snac_dir = ensure_models(run)
     cuda = shapes.device.startswith("cuda")
     codec_dtype = "fp16" if cuda else "fp32"
     model = load_snac(snac_dir, device=shapes.device, dtype=codec_dtype, noise=False)
@@ -355,10 +470,31 @@ def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, An
                 decoder.close((tag, b))
         return times
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    run.data.update(device=shapes.device, dtype=codec_dtype, decoder="stateful", rows=rows)
+
+    def render() -> None:
+        run.table = markdown_table(
+            ["batch", "ms / pass (median)", "ms / pass (p90)", "audio s per GPU s"],
+            [[r["batch"], r["pass_ms_median"], r["pass_ms_p90"], r["audio_s_per_gpu_s"]] for r in rows])
+        if fidelity := run.data.get("fp16_vs_fp32"):
+            run.table += "\n\n" + markdown_table(
+                [f"{fidelity['dtype'].upper()} vs FP32 (same codes)", "SNR dB", "expected"],
+                [[f"{fidelity['frames']} frames", fidelity["snr_db"], ">= 40"]])
+        if overlap := run.data.get("overlap"):
+            run.table += "\n\n" + markdown_table(
+                ["overlap at batch", "engine steps", "engine alone s", "codec alone s", "both at once s", "overlap"],
+                [[overlap["batch"], overlap["engine_steps"], overlap["engine_alone_s"], overlap["codec_alone_s"],
+                  overlap["together_s"], overlap["overlap"]]])
+            run.table += ("\n\noverlap = (engine alone + codec alone - both at once) / min(engine alone, codec "
+                          "alone): 1 = the shorter one is hidden completely, 0 = they run one after the other.")
+
     with torch.inference_mode():
         decoder = StatefulDecoder(model, max_batch=max(shapes.codec_batches), noise=False)
         for batch in shapes.codec_batches:
+            if run.left() < 60:
+                run.problem(f"codec batch {batch} and above not measured (deadline)")
+                break
             codec_passes(decoder, batch, 2, f"warm{batch}")
             times = sorted(codec_passes(decoder, batch, shapes.codec_passes, f"b{batch}"))
             median = times[len(times) // 2]
@@ -368,45 +504,51 @@ def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, An
                          "audio_s_per_gpu_s": round(audio_s / median, 1)})
             print(f"codec batch {batch}: {median * 1e3:.2f} ms per pass, {audio_s / median:.1f} audio s per s",
                   flush=True)
-        overlap = _codec_engine_overlap(shapes, llama, decoder, codec_passes)
+            render()
+            run.save()
         fidelity = _half_precision_snr(snac_dir, shapes.device, frames(48))
-        print(f"codec FP16 vs FP32 on the same codes: SNR {fidelity['snr_db']} dB", flush=True)
-    data = {"stage": "codec", "dry_run": dry_run, "env": env, "device": shapes.device, "dtype": codec_dtype,
-            "decoder": "stateful", "rows": rows, "overlap": overlap, "fp16_vs_fp32": fidelity}
-    table = markdown_table(["batch", "ms / pass (median)", "ms / pass (p90)", "audio s per GPU s"],
-                           [[r["batch"], r["pass_ms_median"], r["pass_ms_p90"], r["audio_s_per_gpu_s"]] for r in rows])
-    table += "\n\n" + markdown_table(["FP16 vs FP32 (same codes)", "SNR dB", "expected"],
-                                     [[f"{fidelity['frames']} frames", fidelity["snr_db"], ">= 40"]])
-    table += "\n\n" + markdown_table(
-        ["overlap at batch", "engine alone s", "codec alone s", "both at once s", "overlap"],
-        [[overlap["batch"], overlap["engine_alone_s"], overlap["codec_alone_s"], overlap["together_s"],
-          overlap["overlap"]]])
-    table += ("\n\noverlap = (engine alone + codec alone - both at once) / min(engine alone, codec alone): "
-              "1 = the shorter one is hidden completely, 0 = they run one after the other.")
-    return data, table
+        run.data["fp16_vs_fp32"] = fidelity
+        if fidelity["snr_db"] < fidelity["expected_min_db"]:
+            run.problem(f"{fidelity['dtype']} vs fp32 SNR {fidelity['snr_db']} dB < {fidelity['expected_min_db']} dB")
+        render()
+        run.save()
+        if run.left() > 45:
+            run.data["overlap"] = _codec_engine_overlap(run, llama, decoder, codec_passes)
+        else:
+            run.problem("overlap not measured (deadline)")
+    render()
+    run.data["complete"] = not run.data["problems"]
 
 
-def _codec_engine_overlap(shapes: Shapes, llama: Path, decoder: Any,
+def _codec_engine_overlap(run: StageRun, llama: Path, decoder: Any,
                           codec_passes: Callable[..., list[float]]) -> dict[str, Any]:
     """Engine decode steps and codec passes on their own streams, each alone, then both at once."""
-    from orpheus_serve import protocol as P
+    from orpheus_serve import token_format as P
     from orpheus_serve.engines.torch_engine import TorchEngine
-    from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
+    from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
 
-    batch = shapes.overlap_batch
-    engine = TorchEngine(llama, num_slots=batch, max_seq_len=64 + 2 * shapes.overlap_steps + 16,
+    shapes = run.shapes
+    batch, steps = shapes.overlap_batch, shapes.overlap_steps
+    prompt = (P.START_OF_HUMAN, P.BOS, *range(1000, 1032), *P.PROMPT_SUFFIX)
+    rounds = 3  # warm-up, engine alone, both at once: every one of them must decode every row
+    engine = TorchEngine(llama, num_slots=batch, max_seq_len=len(prompt) + rounds * steps + 16,
                          device=shapes.device, dtype=shapes.dtype, max_batch_size=batch)
+    decoded = {"steps": 0, "short": 0}
     try:
         for slot in range(batch):
-            prompt = (P.START_OF_HUMAN, P.BOS, *range(1000, 1032), *P.PROMPT_SUFFIX)
-            engine.step(StepPlan(prefill=[PrefillChunk(slot, f"o{slot}", prompt, 0, len(prompt),
-                                                       SamplingParams(seed=slot))]))
+            out = engine.step(StepPlan(prefill=[PrefillChunk(slot, f"o{slot}", prompt, 0, len(prompt),
+                                                             SamplingParams(seed=slot))]))
+            if out.failed:
+                raise RuntimeError(f"overlap prefill failed: {out.failed}")
 
         def engine_steps() -> None:
-            for _ in range(shapes.overlap_steps):
-                engine.step(StepPlan(decode=list(range(batch))))  # returns host tokens: the step has finished
+            for _ in range(steps):
+                out = engine.step(StepPlan(decode=list(range(batch))))  # returns host tokens: the step has finished
+                decoded["steps"] += 1
+                if out.failed or len(out.tokens) != batch:
+                    decoded["short"] += 1
 
-        passes = max(2, shapes.overlap_steps // 4)
+        passes = max(2, steps // 4)
 
         def codec_work() -> None:
             codec_passes(decoder, batch, passes, "overlap")
@@ -427,130 +569,272 @@ def _codec_engine_overlap(shapes: Shapes, llama: Path, decoder: Any,
         together = timed(engine_steps, codec_work)
     finally:
         engine.close()
+    if decoded["short"]:
+        run.problem(f"overlap: {decoded['short']} of {decoded['steps']} engine steps did not decode every row")
     shorter = min(engine_alone, codec_alone)
     overlap = (engine_alone + codec_alone - together) / shorter if shorter > 0 else 0.0
-    return {"batch": batch, "engine_steps": shapes.overlap_steps, "codec_passes": passes,
+    return {"batch": batch, "engine_steps": steps, "codec_passes": passes, "steps_checked": decoded["steps"],
+            "steps_short": decoded["short"], "sdpa": engine.sdpa_backend,
             "engine_alone_s": round(engine_alone, 3), "codec_alone_s": round(codec_alone, 3),
             "together_s": round(together, 3), "overlap": round(overlap, 2)}
 
 
-class GpuSampler:
-    """GPU utilisation and memory from nvidia-smi, once a second, while a benchmark runs."""
+# ----------------------------------------------------------------- serve
 
-    def __init__(self, period_s: float = 1.0) -> None:
+
+class GpuSampler:
+    """GPU utilisation and memory from nvidia-smi twice a second, kept only inside `window()`s (the
+    levels): start-up and idle gaps between levels are not averaged in. Zero readings are kept (an idle
+    GPU during a level is a finding); "[N/A]" readings are counted, not parsed."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
         self.period_s = period_s
-        self.samples: list[tuple[float, float]] = []  # (util %, memory used MiB)
+        self._window: list[tuple[float, float]] | None = None
+        self._not_available = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self.available = bool(nvidia_smi("utilization.gpu"))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            for line in _nvidia_smi("utilization.gpu,memory.used")[:1]:
-                util, mem = (float(x) for x in line.split(","))
-                self.samples.append((util, mem))
+            with self._lock:
+                if self._window is None:
+                    continue
+            for line in nvidia_smi("utilization.gpu,memory.used")[:1]:
+                reading = parse_smi_numbers(line)
+                with self._lock:
+                    if self._window is None:
+                        continue
+                    if reading is None:
+                        self._not_available += 1
+                    else:
+                        self._window.append((reading[0], reading[1]))
 
     def __enter__(self) -> GpuSampler:
-        self._thread.start()
+        if self.available:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
-    def summary(self) -> dict[str, Any]:
-        if not self.samples:
-            return {"samples": 0}
-        busy = [u for u, _ in self.samples if u > 0] or [0.0]
-        return {"samples": len(self.samples), "util_mean_pct": round(sum(busy) / len(busy), 1),
-                "util_max_pct": max(u for u, _ in self.samples),
-                "memory_used_max_mib": max(m for _, m in self.samples)}
+    @contextmanager
+    def window(self) -> Iterator[dict[str, Any]]:
+        """Samples taken inside; the dict is filled with their summary on exit."""
+        summary: dict[str, Any] = {}
+        with self._lock:
+            self._window, self._not_available = [], 0
+        try:
+            yield summary
+        finally:
+            with self._lock:
+                samples, not_available, self._window = self._window or [], self._not_available, None
+            summary.update(summarize_gpu_samples(samples, not_available))
 
 
-def stage_serve(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, Any], str]:
-    env = environment()
-    llama, snac_dir = ensure_models(work, shapes)
-    out_dir = work / "serve"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    raw = out_dir / "results.json"
-    slots = shapes.serve_concurrent
-    overrides = [
+def parse_smi_numbers(line: str) -> tuple[float, ...] | None:
+    """'37, 1234' -> (37.0, 1234.0); None when any field is '[N/A]' or not a number."""
+    try:
+        return tuple(float(x) for x in line.split(","))
+    except ValueError:
+        return None
+
+
+def summarize_gpu_samples(samples: list[tuple[float, float]], not_available: int = 0) -> dict[str, Any]:
+    if not samples:
+        return {"samples": 0, "not_available": not_available}
+    utils = [u for u, _ in samples]
+    return {"samples": len(samples), "not_available": not_available,
+            "util_mean_pct": round(sum(utils) / len(utils), 1), "util_max_pct": max(utils),
+            "util_zero_samples": sum(u == 0 for u in utils), "memory_used_max_mib": max(m for _, m in samples)}
+
+
+def realtime_held(rows: list[dict[str, Any]], ttfb_ms: float) -> int | None:
+    """Largest concurrency whose p95 TTFB is under `ttfb_ms` with every request served at full length,
+    no underrun and no failure."""
+    good = [r["concurrency"] for r in rows
+            if r["succeeded"] == r["requests"] and r["underrun_streams"] == 0 and not r.get("short_streams")
+            and r["ttfb_p95_ms"] is not None and r["ttfb_p95_ms"] < ttfb_ms]
+    return max(good) if good else None
+
+
+def expected_audio_s(max_tokens: int) -> float:
+    from orpheus_serve.token_format import FRAME_SECONDS, TOKENS_PER_FRAME
+
+    return (max_tokens // TOKENS_PER_FRAME) * FRAME_SECONDS
+
+
+def serve_overrides(shapes: Shapes, llama: Path, snac_dir: Path) -> list[str]:
+    slots = max(shapes.serve_levels)
+    return [
         f"engine.model_path={llama}", f"codec.path={snac_dir}", "engine.backend=torch", "engine.mode=batched",
         f"engine.device={shapes.device}", f"engine.dtype={shapes.dtype}", "engine.cuda_graphs=true",
         f"engine.max_seq_len={shapes.serve_max_seq_len}", f"codec.device={shapes.device}", "codec.decoder=stateful",
+        "server.engine_process=true",
         f"scheduler.max_concurrent_sessions={slots}", f"scheduler.max_batch_size={slots}",
         f"codec.max_batch={slots}", f"server.max_connections={2 * slots + 16}",
         f"scheduler.max_queue={4 * slots}", "server.playground=false",
     ]
-    cmd = [sys.executable, str(ROOT / "benchmark.py"), "--mode", "scaling", "--protocol", "grpc",
-           "--concurrent", str(slots), "--max-tokens", str(shapes.serve_max_tokens),
-           "--ttfb-target-ms", str(TTFB_TARGET_MS), "--output", str(raw), "--no-progress"]
-    if shapes.serve_requests:
-        cmd += ["--requests", str(shapes.serve_requests)]
-    for item in overrides:
-        cmd += ["--set", item]
-    raw.unlink(missing_ok=True)
-    with GpuSampler() as sampler:
-        proc = run(cmd, timeout_s=560, log=out_dir / "benchmark.log")
-    results = json.loads(raw.read_text()) if raw.exists() else {}
-    scaling = results.get("scaling", {})
-    rows = scaling.get("rows", [])
-    server_logs = sorted(out_dir.glob("server_*.log"))
-    data = {"stage": "serve", "dry_run": dry_run, "env": env, "exit_code": proc.returncode,
-            "overrides": overrides, "max_tokens": shapes.serve_max_tokens, "ttfb_target_ms": TTFB_TARGET_MS,
-            "max_realtime_concurrency": scaling.get("max_realtime_concurrency"), "gpu": sampler.summary(),
-            "rows": rows,
-            "error": None if proc.returncode == 0 else (proc.stderr[-2000:] + "\n" + "".join(
-                p.read_text()[-2000:] for p in server_logs))}
-    table = markdown_table(
-        ["concurrent", "requests", "ok", "TTFB p50 ms", "TTFB p95 ms", "real-time of started", "underruns",
-         "audio s / s", "tokens/s", "server CPU s / audio s"],
-        [[r["concurrency"], r["requests"], r["succeeded"], r["ttfb_p50_ms"], r["ttfb_p95_ms"],
-          r["realtime_of_started"], r["underrun_events"], r["audio_seconds_per_second"], r["tokens_per_s"],
-          r["server_cpu_s_per_audio_s"]] for r in rows])
-    held = scaling.get("max_realtime_concurrency")
-    gpu = sampler.summary()
-    table += (f"\n\nReal-time streams at p95 TTFB < {TTFB_TARGET_MS:g} ms: **{held if held is not None else 'none'}** "
-              f"(gRPC, {shapes.serve_max_tokens}-token utterances)")
-    if gpu.get("samples"):
-        table += (f"; GPU utilisation mean {gpu['util_mean_pct']}% (busy samples), peak {gpu['util_max_pct']}%, "
-                  f"memory peak {gpu['memory_used_max_mib']:.0f} MiB")
-    if proc.returncode != 0:
-        table += f"\n\nbenchmark.py failed (exit {proc.returncode}); see serve.json"
-    return data, table
 
 
-STAGE_FUNCS = {"check": stage_check, "engine": stage_engine, "codec": stage_codec, "serve": stage_serve}
+def stage_serve(run: StageRun) -> None:
+    from orpheus_serve.benchmarking.launch import LaunchedServer
+    from orpheus_serve.benchmarking.runner import LoadSpec, Target, measure
+
+    shapes = run.shapes
+    llama, snac_dir = ensure_models(run)
+    overrides = serve_overrides(shapes, llama, snac_dir)
+    expected = expected_audio_s(shapes.serve_max_tokens)
+    frame_s = expected / max(1, shapes.serve_max_tokens // 7)
+    rows: list[dict[str, Any]] = []
+    run.data.update(overrides=overrides, protocol="grpc", max_tokens=shapes.serve_max_tokens,
+                    expected_stream_audio_s=round(expected, 3), ttfb_targets_ms=list(TTFB_TARGETS_MS),
+                    warmup=None, rows=rows, realtime_held={})
+
+    def spec(concurrency: int, seed: int) -> LoadSpec:
+        # Short texts only (voice-agent turns, one sentence): one chunk each, so max_tokens fixes every length.
+        return LoadSpec(requests=concurrency * shapes.serve_requests_per_stream, concurrency=concurrency,
+                        protocol="grpc", seed=seed, max_tokens=shapes.serve_max_tokens, ramp_s=shapes.serve_ramp_s,
+                        text_mix=(1.0, 0.0, 0.0))
+
+    def level_estimate_s(concurrency: int) -> float:
+        # Closed loop: requests/concurrency utterances back to back, each at least real time, plus the ramp.
+        return shapes.serve_requests_per_stream * expected * 2 + shapes.serve_ramp_s + 10
+
+    def check_lengths(row: dict[str, Any]) -> None:
+        shortest = row.get("stream_audio_s_min")
+        row["short_streams"] = int(shortest is not None and shortest < expected - frame_s / 2)
+        if row["short_streams"]:
+            run.problem(f"{row['concurrency']} streams: shortest stream {shortest} s < {expected:.3f} s expected "
+                        f"(the model ended an utterance early)")
+        longest = row.get("stream_audio_s_max")
+        if longest is not None and longest > expected + frame_s / 2:
+            run.problem(f"{row['concurrency']} streams: longest stream {longest} s > {expected:.3f} s expected "
+                        f"(a text was split into several chunks)")
+
+    def render() -> None:
+        run.data["realtime_held"] = {f"{t:g}": realtime_held(rows, t) for t in TTFB_TARGETS_MS}
+        run.table = markdown_table(
+            ["concurrent", "requests", "ok", "TTFB p50 ms", "TTFB p95 ms", "real-time of started", "underruns",
+             "stream audio s (min-max)", "audio s / s", "tokens/s", "server CPU s / audio s", "GPU util % (mean)"],
+            [[r["concurrency"], r["requests"], r["succeeded"], r["ttfb_p50_ms"], r["ttfb_p95_ms"],
+              r["realtime_of_started"], r["underrun_events"], f"{r['stream_audio_s_min']}-{r['stream_audio_s_max']}",
+              r["audio_seconds_per_second"], r["tokens_per_s"], r["server_cpu_s_per_audio_s"],
+              r["gpu"].get("util_mean_pct")] for r in rows])
+        held = run.data["realtime_held"]
+        run.table += "\n\n" + "; ".join(
+            f"real-time streams at p95 TTFB < {t} ms: **{n if n is not None else 'none'}**" for t, n in held.items())
+        run.table += (f" (gRPC, {shapes.serve_max_tokens}-token utterances = {expected:.2f} s of audio each, "
+                      f"arrivals spread over {shapes.serve_ramp_s:g} s; engine core in its own process)")
+
+    started = time.monotonic()
+    server = LaunchedServer(overrides, log_path=run.logs / "serve-server.log",
+                            ready_timeout_s=max(30.0, run.left() - 60))
+    with server, GpuSampler() as gpu:
+        run.data["server_start_s"] = round(time.monotonic() - started, 1)
+        print(f"server ready in {run.data['server_start_s']} s", flush=True)
+        target = Target(server.url, server.grpc_addr)
+        with gpu.window() as usage:
+            warm = measure(target, spec(shapes.serve_warmup_concurrency, seed=99))
+        warm["gpu"] = usage
+        run.data["warmup"] = warm
+        run.save()
+        for index, concurrency in enumerate(shapes.serve_levels):
+            if run.left() < level_estimate_s(concurrency) + 20:
+                run.problem(f"levels {shapes.serve_levels[index:]} not measured (deadline)")
+                break
+            with gpu.window() as usage:
+                row = measure(target, spec(concurrency, seed=index))
+            row["gpu"] = usage
+            check_lengths(row)
+            rows.append(row)
+            print(f"serve {concurrency}: TTFB p95 {row['ttfb_p95_ms']} ms, {row['succeeded']}/{row['requests']} ok, "
+                  f"underruns {row['underrun_events']}, GPU {usage.get('util_mean_pct')}%", flush=True)
+            render()
+            run.save()
+        stats = target.stats()
+        run.data["server_stats_end"] = {k: stats.get(k) for k in ("process", "memory", "engine", "codec") if k in stats}
+    if not rows:
+        run.problem("no level was measured")
+    failed = [r["concurrency"] for r in rows if r["errors"]]
+    if failed:
+        run.problem(f"requests failed at concurrency {failed}")
+    render()
+    run.data["complete"] = len(rows) == len(shapes.serve_levels)
+
+
+STAGE_FUNCS: dict[str, Callable[[StageRun], None]] = {
+    "check": stage_check, "engine": stage_engine, "codec": stage_codec, "serve": stage_serve}
+
+
+# ----------------------------------------------------------------- entry
+
+
+def run_stage(stage: str, *, results: Path, work: Path, deadline: float, dry_run: bool) -> int:
+    shapes = DRY if dry_run else REAL
+    run = StageRun(stage, shapes, results=results, work=work, deadline=deadline, dry_run=dry_run)
+    missing = import_stage_modules(stage)
+    if missing:
+        for line in missing:
+            run.problem(f"cannot import {line}")
+        run.save()
+        return 1
+    import torch
+
+    if not dry_run and not torch.cuda.is_available():
+        run.problem("no CUDA device: run with --dry-run on a machine without a GPU")
+        run.save()
+        return 2
+    if dry_run:
+        torch.set_num_threads(1)  # a dry run shares small machines; its numbers mean nothing anyway
+    run.data["env"] = environment()
+    run.save()
+    try:
+        STAGE_FUNCS[stage](run)
+    except Exception:
+        run.problem("stage raised:\n" + traceback.format_exc()[-3000:])
+        run.save()
+        return 1
+    measured = {"check": lambda d: d.get("pytest"), "engine": lambda d: d.get("bench", {}).get("rows"),
+                "codec": lambda d: d.get("rows"), "serve": lambda d: d.get("rows")}[stage](run.data)
+    run.data["ok"] = bool(measured) and not [p for p in run.data["problems"] if not p.endswith("(deadline)")]
+    run.save()
+    print(f"{stage}: {'ok' if run.data['ok'] else 'FAILED'}, wrote {results / (stage + '.json')} "
+          f"in {run.data['stage_seconds']} s", flush=True)
+    return 0 if run.data["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["imports"]:
+        ap = argparse.ArgumentParser(description="import what the stages import (and collect the GPU tests)")
+        ap.add_argument("stages", nargs="+", choices=STAGES)
+        args = ap.parse_args(argv[1:])
+        failures = [line for stage in args.stages for line in import_stage_modules(stage)]
+        if "check" in args.stages and not failures:
+            cmd, env = pytest_command(gpu_test_files(), "--collect-only")
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
+            print(proc.stdout[-2000:] + proc.stderr[-2000:])
+            if proc.returncode != 0:
+                failures.append(f"pytest --collect-only -m gpu exited {proc.returncode}")
+        for line in failures:
+            print(f"cannot import {line}", file=sys.stderr)
+        print("imports: " + ("FAILED" if failures else "ok") + f" ({', '.join(args.stages)})")
+        return 1 if failures else 0
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=STAGES)
-    ap.add_argument("--results", type=Path, required=True, help="where STAGE.json and STAGE.md go")
+    ap.add_argument("--results", type=Path, required=True, help="where STAGE.json goes")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("KIT_WORK", "/tmp/orpheus-gpu-kit")),
-                    help="models and scratch files (kept between stages on one machine)")
+                    help="models and logs (kept between stages on one machine)")
+    ap.add_argument("--deadline", type=float, default=None, help="Unix time the stage must be done by")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
     args = ap.parse_args(argv)
-
-    shapes = DRY if args.dry_run else REAL
-    if not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --dry-run on a machine without a GPU", file=sys.stderr)
-            return 2
-    else:
-        import torch
-
-        torch.set_num_threads(1)  # a dry run shares small machines; its numbers mean nothing anyway
-    args.work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    data, table = STAGE_FUNCS[args.stage](shapes, args.work, args.dry_run)
-    data["shapes"] = asdict(shapes)
-    data["stage_seconds"] = round(time.perf_counter() - started, 1)
-    write_stage(args.results, args.stage, data, table)
-    print(f"{args.stage}: wrote {args.results / (args.stage + '.json')} and .md in {data['stage_seconds']} s")
-    failed = data.get("exit_code", data.get("pytest", {}).get("exit_code", 0))
-    return 0 if failed in (0, 5) else 1  # 5: pytest found nothing to run (no GPU tests selected)
+    deadline = args.deadline if args.deadline is not None else time.time() + 540
+    return run_stage(args.stage, results=args.results, work=args.work, deadline=deadline, dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

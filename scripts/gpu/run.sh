@@ -1,45 +1,60 @@
 #!/usr/bin/env bash
-# Run one stage of the GPU proof kit on a GPU box (or, with --dry-run, on any CPU machine).
+# Run stages of the GPU proof kit on a GPU box (or, with --dry-run, on any CPU machine).
 #
-#   bash scripts/gpu/run.sh check|engine|codec|serve|all [--dry-run]
+#   bash scripts/gpu/run.sh [--budget SECONDS] [--dry-run] STAGE... | all     (STAGE: check engine codec serve)
 #
-# Results: STAGE.json and STAGE.md per stage under $OUT when it is set, else gpu-results/. Then, here:
-#   python scripts/gpu/report.py RESULTS_DIR        # merges them into docs/PERFORMANCE.md
+# One deadline for the whole call: --budget seconds from now (default 540; a GPU box kills a command at
+# 600). Each stage gets what is left of it, less a floor kept for each later stage, and runs under
+# `timeout`, which signals the stage's whole process group (the server and its engine core with it):
+# no process is left holding GPU memory. Stages write STAGE.json after every piece they measure.
 #
-# On a bare box the wheels from scripts/gpu/prepare.sh (.whl/, carried with the tree) are installed
-# into a target folder put first on PYTHONPATH; the box's own torch stays. A dry run uses the
-# environment it finds (the project's .venv when there is one) and installs nothing.
+# Results: STAGE.json per stage and logs.tar.gz (every log of the call, one archive) under $OUT when it
+# is set, else gpu-results/. Then, here:
+#   python scripts/gpu/report.py RESULTS_DIR        # docs/gpu-results/<date>-<card>/ and docs/PERFORMANCE.md
+#
+# On a bare box the wheels from scripts/gpu/prepare.sh (.whl/, carried with the tree; KIT_WHEELS names
+# another folder) are installed into a target folder put first on PYTHONPATH; the box's own torch stays.
+# A dry run uses the environment it finds (the project's .venv when there is one) and installs nothing
+# unless KIT_WHEELS is set.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+START=$(date +%s)
 
-usage() { echo "usage: bash scripts/gpu/run.sh check|engine|codec|serve|all [--dry-run]" >&2; exit 2; }
-[ $# -ge 1 ] || usage
-STAGE=$1
-shift
+usage() { echo "usage: bash scripts/gpu/run.sh [--budget SECONDS] [--dry-run] check|engine|codec|serve... | all" >&2
+          exit 2; }
+BUDGET=540
 DRY=()
-for arg in "$@"; do
-  case "$arg" in
+STAGES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY=(--dry-run) ;;
+    --budget) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || usage; BUDGET=$2; shift ;;
+    check|engine|codec|serve) STAGES+=("$1") ;;
+    all) STAGES+=(check engine codec serve) ;;
     *) usage ;;
   esac
+  shift
 done
-case "$STAGE" in
-  check|engine|codec|serve) STAGES=("$STAGE") ;;
-  all) STAGES=(check engine codec serve) ;;
-  *) usage ;;
-esac
+[ ${#STAGES[@]} -ge 1 ] || usage
+DEADLINE=$((START + BUDGET))
+
+# The least each stage needs to show anything (seconds): kept back for the stages after the running one.
+floor() { case "$1" in check) echo 45 ;; engine) echo 120 ;; codec) echo 60 ;; serve) echo 150 ;; esac; }
 
 RESULTS=${OUT:-gpu-results}
-mkdir -p "$RESULTS"
+WORK=${KIT_WORK:-/tmp/orpheus-gpu-kit}
+mkdir -p "$RESULTS" "$WORK/logs"
 if [ -z "${PYTHON:-}" ]; then
   if [ ${#DRY[@]} -gt 0 ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
-if [ ${#DRY[@]} -eq 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
+WHEELS=${KIT_WHEELS:-$([ ${#DRY[@]} -eq 0 ] && echo .whl || true)}
+if [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
   SITE=${KIT_SITE:-/tmp/orpheus-gpu-site}
   if [ ! -f "$SITE/.installed" ]; then
+    echo "=== installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE"
     "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-      --upgrade --target "$SITE" .whl/*.whl
+      --upgrade --target "$SITE" "$WHEELS"/*.whl
     touch "$SITE/.installed"
   fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -47,9 +62,30 @@ fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
+archive_logs() { tar -czf "$RESULTS/logs.tar.gz.tmp" -C "$WORK" logs && mv "$RESULTS/logs.tar.gz.tmp" "$RESULTS/logs.tar.gz"; }
+
 status=0
-for stage in "${STAGES[@]}"; do
-  echo "=== $stage $(date -u +%H:%M:%S)"
-  "$PYTHON" scripts/gpu/kit.py "$stage" --results "$RESULTS" "${DRY[@]}" || status=1
+for i in "${!STAGES[@]}"; do
+  stage=${STAGES[$i]}
+  reserve=10  # the log archive and the reply
+  for later in "${STAGES[@]:$((i + 1))}"; do reserve=$((reserve + $(floor "$later"))); done
+  now=$(date +%s)
+  stage_s=$((DEADLINE - now - reserve))
+  if [ "$stage_s" -lt 20 ]; then
+    echo "=== $stage skipped: ${stage_s} s left of the budget for it" | tee -a "$WORK/logs/run.log"
+    status=1
+    continue
+  fi
+  echo "=== $stage $(date -u +%H:%M:%S), ${stage_s} s (call budget ${BUDGET} s, $((now - START)) s used)" \
+    | tee -a "$WORK/logs/run.log"
+  # The stage stops starting new work before its deadline; timeout (TERM to the whole process group,
+  # KILL 10 s later) is the backstop, 5 s after it.
+  rc=0
+  timeout --kill-after=10 $((stage_s + 5)) "$PYTHON" scripts/gpu/kit.py "$stage" --results "$RESULTS" \
+    --work "$WORK" --deadline $((now + stage_s)) "${DRY[@]}" 2>&1 | tee "$WORK/logs/$stage.log" || rc=$?
+  [ "$rc" -eq 0 ] || status=1
+  echo "=== $stage done in $(($(date +%s) - now)) s (exit $rc)" | tee -a "$WORK/logs/run.log"
+  archive_logs
 done
+echo "=== call took $(($(date +%s) - START)) s of ${BUDGET} s"
 exit $status

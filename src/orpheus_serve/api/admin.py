@@ -18,7 +18,7 @@ from fastapi import FastAPI, HTTPException, Path
 from pydantic import BaseModel, Field
 
 from ..engines.lora import AdapterError
-from ..synthesis import InvalidRequestError
+from ..request.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from .gateway import Gateway

@@ -3,7 +3,7 @@
 The agent frameworks (LiveKit Agents' Cartesia plugin, Pipecat's
 `CartesiaTTSService`, the `cartesia` SDK) speak this protocol; pointing their
 base URL here is all they need. Each context on a socket is one incremental-
-text request (DESIGN §5b): its `TextStream` takes the transcripts as they come
+text request (ARCHITECTURE §5b): its `TextStream` takes the transcripts as they come
 and its audio streams back as the text is cut into chunks. Many contexts run
 on one socket at once.
 
@@ -20,19 +20,23 @@ Client -> server, JSON text messages:
         stop that context now; nothing more is sent for it. Other contexts go on.
 
 Server -> client:
-    {"type": "chunk", "data": <base64 audio>, "done": false, "status_code": 206, "step_time", "context_id"}
+    {"type": "chunk", "data": <base64 audio>, "done": false, "status_code": 206, "step_time", "context_id",
+     "flush_id"?}  step_time: milliseconds the server spent producing the chunk (see `StepClock`)
     {"type": "timestamps", "word_timestamps": {"words", "start", "end"}, "done": false, "status_code": 206,
-     "context_id"}  seconds from the context's first sample, once each text chunk's audio is final
+     "context_id", "flush_id"?}  seconds from the context's first sample, once each text chunk's audio is final
      (estimated inside a chunk: Orpheus has no aligner; the chunk bounds are exact)
     {"type": "flush_done", "flush_done": true, "flush_id", "done": false, "status_code": 206, "context_id"}
-    {"type": "done", "done": true, "status_code": 200, "context_id"}
+    {"type": "done", "done": true, "status_code": 206, "context_id"}
     {"type": "error", "error", "message", "title", "error_code", "status_code": 4xx/5xx, "done": true,
      "context_id"}  the context (if any) is over; the socket stays open
+    `flush_id` N (from 1) is on the chunks and timestamps that follow the N-th `flush_done`, i.e. the audio
+    of the text sent after the N-th flush; before the first flush they carry none, as Cartesia's do.
 
 Auth (when server.api_keys is set): `X-API-Key: <key>`, `?api_key=<key>` or `Authorization: Bearer <key>`,
 checked before the handshake completes (a wrong key gets HTTP 401). Fields this server has no use for
 (`model_id`, `language`, `pronunciation_dict_id`, ...) are accepted and ignored; a known field of the
-wrong type is an error. Voices: an Orpheus voice or OpenAI alias as `id`; a Cartesia voice id (a UUID)
+wrong type is an error. Voices: an Orpheus voice or OpenAI alias as `id` (or as a bare string, as the
+`cartesia` SDK 4 may send it); a Cartesia voice id (a UUID)
 or an embedding is spoken with the default voice. Audio: raw `pcm_s16le`, `pcm_f32le`, `pcm_mulaw` or
 `pcm_alaw` (G.711, for telephony), at 8000, 16000, 22050, 24000, 44100 or 48000 Hz.
 Disconnecting cancels every context of the socket.
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http
 import json
 import logging
 import re
@@ -52,17 +57,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from starlette.requests import HTTPConnection
 
+from ..audio.pcm import pcm16_to_float
 from ..config import StreamInputConfig
-from ..protocol import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
-from ..synthesis import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
+from ..request.errors import ClientStalledError, InvalidRequestError, SynthesisError
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, SynthesisRequest
+from ..token_format import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
 from .errors import TooManyConnectionsError, UnauthorizedError, mapping_for
-from .gateway import Gateway, OutputOptions, SpeechStream
+from .gateway import Gateway, OutputOptions
+from .json_frames import json_object_frame
 
 if TYPE_CHECKING:
     from starlette.types import Message
@@ -70,6 +78,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CARTESIA_PATH = "/tts/websocket"
+# Cartesia's paths (the WebSocket and the HTTP endpoints, cartesia_http.py): their errors take Cartesia's shape.
+CARTESIA_PREFIX = "/tts/"
 API_VERSION = "2025-04-16"
 # Cartesia encoding -> the audio module's format. The float encoding is the 16-bit stream widened here.
 ENCODINGS: dict[str, str] = {"pcm_s16le": "pcm", "pcm_f32le": "pcm", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
@@ -119,7 +129,7 @@ class GenerationRequest(_Lenient):
     continue_: bool = Field(False, alias="continue")
     flush: bool | None = None
     model_id: str | None = None
-    voice: Voice = Voice()
+    voice: Voice | str = Voice()
     output_format: OutputFormat = OutputFormat()
     add_timestamps: bool | None = None
     max_buffer_delay_ms: int | None = Field(None, ge=0, le=5000)
@@ -140,9 +150,11 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{where}: {error['msg']}" if where else error["msg"], where
 
 
-def resolve_cartesia_voice(voice: Voice, resolve: Callable[[str | None], str] = resolve_voice) -> str:
-    """The Orpheus voice for a Cartesia voice specifier (see the module docstring); `resolve`: the server's
-    voice catalog (voice_catalog.py: built-in and custom voices)."""
+def resolve_cartesia_voice(voice: Voice | str, resolve: Callable[[str | None], str] = resolve_voice) -> str:
+    """The Orpheus voice for a Cartesia voice specifier (see the module docstring): an object, or a bare id;
+    `resolve`: the server's voice catalog (service/voices.py: built-in and custom voices)."""
+    if isinstance(voice, str):
+        voice = Voice(mode="id", id=voice)
     if voice.mode == "embedding":
         log.info("voice embeddings are not supported; speaking with the default voice %r", DEFAULT_VOICE)
         return DEFAULT_VOICE
@@ -154,11 +166,6 @@ def resolve_cartesia_voice(voice: Voice, resolve: Callable[[str | None], str] = 
                      voice.id, DEFAULT_VOICE)
             return DEFAULT_VOICE
         raise
-
-
-def to_float32(pcm: bytes) -> bytes:
-    """16-bit little-endian PCM as 32-bit little-endian floats in [-1, 1)."""
-    return (np.frombuffer(pcm, "<i2").astype("<f4") / 32768.0).astype("<f4").tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +201,12 @@ class ContextSpec:
 # ---------------------------------------------------------------- messages out
 
 
+def http_error_body(code: str | None, status: int, message: str, request_id: str | None = None) -> dict[str, Any]:
+    """Cartesia's HTTP error object (API version 2026-03-01 and later); its title is the status's phrase."""
+    return {"error_code": code, "title": http.HTTPStatus(status).phrase, "message": message,
+            "request_id": request_id or str(uuid.uuid4())}
+
+
 def _reply(kind: str, context_id: str | None, **fields: Any) -> dict[str, Any]:
     return {"type": kind, "context_id": context_id, **fields}
 
@@ -205,14 +218,48 @@ def error_message(exc: SynthesisError, context_id: str | None) -> dict[str, Any]
                   title=exc.__class__.__name__.removesuffix("Error") or "Error", error_code=exc.code)
 
 
-def timestamps_message(timings: ChunkTimings, context_id: str, speed: float) -> dict[str, Any]:
+def timestamps_message(timings: ChunkTimings, context_id: str | None, speed: float, *,
+                       flush_id: int | None = None) -> dict[str, Any]:
     # Word times are at the model's pace; audio played faster or slower moves them with it.
     words = timings.words
     return _reply("timestamps", context_id, done=False, status_code=206, word_timestamps={
         "words": [w.word for w in words],
         "start": [round(w.start_s / speed, 4) for w in words],
         "end": [round(w.end_s / speed, 4) for w in words],
-    })
+    }, **_flush_field(flush_id))
+
+
+def chunk_message(data: bytes, context_id: str | None, step_time_ms: float, *,
+                  flush_id: int | None = None) -> dict[str, Any]:
+    return _reply("chunk", context_id, data=base64.b64encode(data).decode("ascii"), done=False, status_code=206,
+                  step_time=step_time_ms, **_flush_field(flush_id))
+
+
+def done_message(context_id: str | None) -> dict[str, Any]:
+    # 206 as Cartesia sends it: the status of the stream of messages, not of one HTTP response.
+    return _reply("done", context_id, done=True, status_code=206)
+
+
+def _flush_field(flush_id: int | None) -> dict[str, int]:
+    return {} if flush_id is None else {"flush_id": flush_id}
+
+
+class StepClock:
+    """Cartesia's `step_time`: the milliseconds the server spent producing a chunk.
+
+    Counted from the moment the connection was ready for the chunk (its previous message sent; for the first,
+    the moment admission began) to the moment the chunk is ready; the time spent handing messages to the
+    client is not counted, so a slow reader does not inflate it. Inside a context that waits for more text
+    from its client, the wait is counted: the server cannot tell it from generating."""
+
+    def __init__(self, start: float) -> None:
+        self._since = start
+
+    def step_ms(self) -> float:
+        return round((time.perf_counter() - self._since) * 1000, 3)
+
+    def restart(self) -> None:
+        self._since = time.perf_counter()
 
 
 # ---------------------------------------------------------------- the connection
@@ -328,23 +375,10 @@ class CartesiaConnection:
     # ---- client messages
 
     async def _handle(self, incoming: _Incoming) -> None:
-        text = incoming.message.get("text")
-        if text is None:
-            await self._error(InvalidRequestError("binary messages are not accepted; send JSON text messages"))
-            return
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
-            await self._error(InvalidRequestError(f"message is not valid JSON: {exc.msg}"))
-            return
-        except RecursionError:
-            await self._error(InvalidRequestError("message nests JSON arrays or objects too deeply"))
-            return
-        except ValueError as exc:  # an integer of more digits than Python converts
-            await self._error(InvalidRequestError(f"message is not acceptable JSON: {exc}"))
-            return
-        if not isinstance(body, dict):
-            await self._error(InvalidRequestError("a message must be a JSON object"))
+            body = json_object_frame(incoming.message)
+        except InvalidRequestError as exc:
+            await self._error(exc)
             return
         raw_id = body.get("context_id")
         context_id = raw_id if isinstance(raw_id, str) and 0 < len(raw_id) <= 256 else None
@@ -453,6 +487,7 @@ class CartesiaConnection:
 
     async def _serve_context(self, ctx: _Context, received_at: float) -> None:
         spec = ctx.spec
+        admitting = time.perf_counter()
         try:
             stream = await self.gateway.admit("cartesia", lambda: (spec.request, spec.output),
                                               received_at=received_at, hold_connection=False)
@@ -462,23 +497,25 @@ class CartesiaConnection:
         assert stream is not None  # admit returns None only with a `disconnected` probe
         speaking = asyncio.current_task()
         assert speaking is not None
-        watcher = asyncio.create_task(self._cancel_when_stalled(stream, speaking))
-        last = received_at  # the first chunk's step time is its time to first audio
+        watcher = asyncio.create_task(stream.cancel_when_stalled(speaking.cancel))
+        clock = StepClock(admitting)
+        flushed: int | None = None  # the last flush_done sent: what follows it carries its id
         stalled: ClientStalledError | None = None
         try:
             async for event in stream.events():
                 if isinstance(event, bytes):
-                    now = time.perf_counter()
-                    data = to_float32(event) if spec.float32 else event
-                    await self._send(_reply("chunk", ctx.context_id, data=base64.b64encode(data).decode("ascii"),
-                                            done=False, status_code=206, step_time=round((now - last) * 1000, 3)))
-                    last = now
+                    step_ms = clock.step_ms()
+                    data = pcm16_to_float(event).tobytes() if spec.float32 else event
+                    await self._send(chunk_message(data, ctx.context_id, step_ms, flush_id=flushed))
+                    clock.restart()
                     continue
                 if spec.timestamps and event.words:
-                    await self._send(timestamps_message(event, ctx.context_id, spec.output.speed))
+                    await self._send(timestamps_message(event, ctx.context_id, spec.output.speed, flush_id=flushed))
                 if event.flush_id is not None:
                     await self._send(_reply("flush_done", ctx.context_id, done=False, flush_done=True,
                                             flush_id=event.flush_id, status_code=206))
+                    flushed = event.flush_id
+                clock.restart()
         except ClientStalledError as exc:  # a send timed out: counted as the stream's outcome
             stalled = exc
             raise
@@ -493,23 +530,18 @@ class CartesiaConnection:
         finally:
             watcher.cancel()
             await stream.close(stalled)
-        await self._send(_reply("done", ctx.context_id, done=True, status_code=200))
-
-    @staticmethod
-    async def _cancel_when_stalled(stream: SpeechStream, speaking: asyncio.Task[Any]) -> None:
-        await stream.stalled.wait()
-        speaking.cancel()
+        await self._send(done_message(ctx.context_id))
 
 
 # ---------------------------------------------------------------- auth and route
 
 
-def offered_api_key(websocket: WebSocket) -> str | None:
+def offered_api_key(connection: HTTPConnection) -> str | None:
     """The key as a Cartesia client sends it: `X-API-Key`, `?api_key=`, or `Authorization: Bearer`."""
-    key = websocket.headers.get("x-api-key") or websocket.query_params.get("api_key")
+    key = connection.headers.get("x-api-key") or connection.query_params.get("api_key")
     if key:
         return key
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
+    scheme, _, token = connection.headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 

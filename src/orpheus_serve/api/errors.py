@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from ..synthesis import (
+from ..request.errors import (
     ClientStalledError,
     EngineFailureError,
     InvalidRequestError,
@@ -94,6 +94,15 @@ def error_body(exc: SynthesisError) -> dict[str, Any]:
     """The OpenAI-shaped body for a service error (HTTP responses and WebSocket messages)."""
     return openai_error_body(str(exc) or exc.__class__.__name__, type=mapping_for(exc).openai_type,
                              param=getattr(exc, "param", None), code=exc.code)
+
+
+# The ElevenLabs-compatible routes (elevenlabs.py): their errors, the API key's included, take ElevenLabs' shape.
+ELEVENLABS_PATHS = ("/v1/text-to-speech/", "/v1/voices")
+
+
+def elevenlabs_error_body(exc: SynthesisError) -> dict[str, Any]:
+    """ElevenLabs' error body: `{"detail": {"status": <code>, "message"}}`."""
+    return {"detail": {"status": exc.code, "message": str(exc) or exc.__class__.__name__}}
 
 
 def http_headers(exc: SynthesisError) -> dict[str, str]:

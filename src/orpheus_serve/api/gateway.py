@@ -40,29 +40,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
+from ..audio.encoding import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
-from ..metrics import ServingMetrics
-from ..protocol import SAMPLE_RATE
-from ..stats import merge_api_processes
-from ..synthesis import (
-    PROTOCOLS,
-    AudioChunk,
-    ChunkTimings,
-    ClientStalledError,
-    InvalidRequestError,
-    ProtocolName,
-    ServiceUnavailableError,
-    SynthesisError,
-    SynthesisMetrics,
-    SynthesisRequest,
-)
-from ..voice_catalog import VoiceCatalog
+from ..metrics.playback import PlaybackClock
+from ..metrics.prometheus import ServingMetrics
+from ..metrics.stats import merge_api_processes
+from ..request.errors import ClientStalledError, InvalidRequestError, ServiceUnavailableError, SynthesisError
+from ..request.types import PROTOCOLS, AudioChunk, ChunkTimings, ProtocolName, SynthesisMetrics, SynthesisRequest
+from ..service.voices import VoiceCatalog
+from ..token_format import SAMPLE_RATE
 from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
-    from ..service import TTSService
-    from ..stats import ServiceSnapshot
+    from ..metrics.stats import ServiceSnapshot
+    from ..service.service import TTSService
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +147,14 @@ class Gateway:
         self.limiter = ConnectionLimiter(config.server.max_connections)
         self._api_keys = [k.encode() for k in config.server.api_keys]
         self._active: Counter[str] = Counter()
+        self._underrunning: Counter[str] = Counter()  # open streams that have had an underrun (metrics/playback.py)
         self._idle = asyncio.Event()
         self._idle.set()
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self.started_at = time.time()
         self.shutting_down = False  # set by the server when shutdown begins; the service says the rest
-        self.metrics = ServingMetrics(service.snapshot, self.figures)
+        self.metrics = ServingMetrics(service.snapshot, self.figures,
+                                      ttfb_target_s=config.active_profile.target_ttfb_ms / 1000)
         service.add_observer(self.metrics)
         # Compressed encoding, resampling and tempo cost milliseconds per chunk; PyAV releases the GIL while
         # it works, so they run here instead of on the event loop that serves every stream.
@@ -210,7 +203,7 @@ class Gateway:
 
     def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
         """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
-        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (DESIGN §5a);
+        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (ARCHITECTURE §5a);
         it clears by itself."""
         if self.shutting_down:
             return "shutting_down"
@@ -305,6 +298,18 @@ class Gateway:
             return False
         return True
 
+    def stream_underran(self, stream: SpeechStream, stall_s: float) -> None:
+        """`stream`'s audio reached its connection `stall_s` after the audio before it ran out (metrics/playback.py)."""
+        if stream.playback.underruns == 1:
+            self._underrunning[stream.protocol] += 1
+        self.metrics.underrun(stream.protocol, stall_s)
+
+    def stream_played(self, stream: SpeechStream) -> None:
+        """A stream that had audio has closed: count how it played."""
+        if stream.playback.underruns:
+            self._underrunning[stream.protocol] -= 1
+        self.metrics.stream_played(stream.protocol, underran=stream.playback.underruns > 0)
+
     def refused(self, protocol: str, error: SynthesisError) -> None:
         """Count a request refused before a stream opened (streams count themselves when they close)."""
         self._record(protocol, error.code)
@@ -326,6 +331,7 @@ class Gateway:
             "open_connections": self.limiter.open,
             "max_connections": self.limiter.limit,
             "active_streams": {p: self._active[p] for p in PROTOCOLS},
+            "underrunning_streams": {p: self._underrunning[p] for p in PROTOCOLS},
             "requests": by_protocol,
         }
 
@@ -369,6 +375,7 @@ class SpeechStream:
         self.encoder: AudioStreamEncoder | None = None
         self.metrics: SynthesisMetrics | None = None
         self.first_byte_s: float | None = None
+        self.playback = PlaybackClock()  # how its client would play what it was handed (metrics/playback.py)
         self._lease = lease
         self._queue: asyncio.Queue[AudioChunk | ChunkTimings | SynthesisMetrics | BaseException | object] = asyncio.Queue(
             maxsize=STREAM_QUEUE_ITEMS)
@@ -382,6 +389,12 @@ class SpeechStream:
     @property
     def content_type(self) -> str:
         return CONTENT_TYPES[self.output.format]
+
+    async def cancel_when_stalled(self, cancel: Callable[[], object]) -> None:
+        """Call `cancel` once the client is reported stalled (ARCHITECTURE §5a). Every adapter runs this
+        beside the task that writes the stream, with that task's (or its scope's) cancel."""
+        await self.stalled.wait()
+        cancel()
 
     async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an encoder call off the loop unless it is a plain copy. Calls of one stream never overlap."""
@@ -463,7 +476,7 @@ class SpeechStream:
 
     async def events(self) -> AsyncIterator[bytes | ChunkTimings]:
         """`audio()`'s bytes with each text chunk's ChunkTimings in order, after that chunk's audio
-        (incremental-text requests and requests with timestamps; see synthesis.ChunkTimings)."""
+        (incremental-text requests and requests with timestamps; see request.types.ChunkTimings)."""
         item = self._head
         self._head = None
         encoder = self.encoder
@@ -489,6 +502,10 @@ class SpeechStream:
                 return
             assert isinstance(item, AudioChunk)
             data = await self._in_pool(encoder.encode, item.pcm)
+            stall = self.playback.deliver(time.perf_counter(), item.num_samples / item.sample_rate / self.output.speed,
+                                          resume=item.resumes_playback)
+            if stall:
+                self.gateway.stream_underran(self, stall)
             if data:
                 yield self._mark(data)
             item = None
@@ -534,6 +551,8 @@ class SpeechStream:
         else:
             # "ok", the error audio() raised, or, if it never finished, the client went away.
             status = self._status or "cancelled"
+        if self.playback.started:
+            self.gateway.stream_played(self)
         self.gateway.stream_closed(self.protocol, status)
         if status not in ("ok", "cancelled"):
             log.info("request %s (%s) ended: %s", self.request.request_id, self.protocol, status)

@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
-import anyio
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -30,13 +30,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from ..audio import CONTENT_TYPES
+from ..audio.encoding import CONTENT_TYPES
 from ..config import Config
-from ..metrics import PROMETHEUS_CONTENT_TYPE
-from ..synthesis import InvalidRequestError, SynthesisError
+from ..metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+from ..request.errors import SynthesisError
 from .admin import add_admin_routes
-from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
+from .cartesia import CARTESIA_PREFIX, add_cartesia_route, http_error_body
+from .cartesia_http import add_cartesia_http_routes
+from .elevenlabs import add_elevenlabs_routes
+from .errors import (
+    ELEVENLABS_PATHS,
+    UnauthorizedError,
+    elevenlabs_error_body,
+    error_body,
+    http_headers,
+    mapping_for,
+    openai_error_body,
+)
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
+from .responses import RECEIVED_AT_KEY, SpeechResponse, body_parse_error, client_disconnected
 from .schemas import (
     IGNORED_HEADER,
     ErrorBody,
@@ -53,7 +65,6 @@ from .websocket import STREAM_PATH, add_stream_route
 log = logging.getLogger(__name__)
 
 SPEECH_PATH = "/v1/audio/speech"
-RECEIVED_AT_KEY = "orpheus.received_at"
 # Paths behind the API key; health, readiness and metrics stay open for probes and scrapers, the playground's
 # static files for browsers (the page then sends the key with its own API calls).
 PROTECTED_PREFIX = "/v1/"
@@ -101,6 +112,9 @@ class ApiKeyMiddleware:
             scope, send, offered = _subprotocol_key(scope, send)
             if offered is not None and not authorization:
                 authorization = f"Bearer {offered}"
+        elevenlabs = scope["path"].startswith(ELEVENLABS_PATHS)
+        if elevenlabs and not authorization and (xi_key := _elevenlabs_key(scope, headers)):
+            authorization = f"Bearer {xi_key}"
         if not self.gateway.auth_required:
             await self.app(scope, receive, send)
             return
@@ -109,10 +123,13 @@ class ApiKeyMiddleware:
         except UnauthorizedError as exc:
             if scope["path"] in (SPEECH_PATH, STREAM_PATH):
                 self.gateway.refused("rest" if scope["type"] == "http" else "ws", exc)
+            elif elevenlabs:
+                self.gateway.refused("elevenlabs", exc)
+            body = elevenlabs_error_body(exc) if elevenlabs else error_body(exc)
             if scope["type"] == "http":
-                await _send_json(send, 401, error_body(exc), {"WWW-Authenticate": "Bearer"})
+                await _send_json(send, 401, body, {"WWW-Authenticate": "Bearer"})
             else:
-                await _deny_websocket(scope, receive, send, 401, error_body(exc))
+                await _deny_websocket(scope, receive, send, 401, body, str(exc))
             return
         await self.app(scope, receive, send)
 
@@ -147,7 +164,16 @@ def _subprotocol_key(scope: Scope, send: Send) -> tuple[Scope, Send, str | None]
     return {**scope, "subprotocols": others}, send_selecting, key
 
 
-async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: int, body: Any) -> None:
+def _elevenlabs_key(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
+    """The key as ElevenLabs clients send it: the `xi-api-key` header, or `?xi_api_key=` on a WebSocket."""
+    key = headers.get(b"xi-api-key", b"").decode("latin-1").strip()
+    if not key and scope["type"] == "websocket":
+        key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("xi_api_key", [""])[0].strip()
+    return key or None
+
+
+async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: int, body: Any,
+                          reason: str | None = None) -> None:
     """Refuse a WebSocket handshake with an HTTP status (ASGI denial response) or, failing that, close 1008."""
     message = await receive()
     if message["type"] != "websocket.connect":
@@ -159,7 +185,8 @@ async def _deny_websocket(scope: Scope, receive: Receive, send: Send, status: in
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "websocket.http.response.body", "body": payload})
     else:
-        await send({"type": "websocket.close", "code": 1008, "reason": body["error"]["message"][:120]})
+        await send({"type": "websocket.close", "code": 1008,
+                    "reason": (reason if reason is not None else body["error"]["message"])[:120]})
 
 
 class BodyLimitMiddleware:
@@ -169,9 +196,13 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self) -> dict[str, Any]:
-        return openai_error_body(f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)",
-                                 code="request_too_large")
+    def _too_large(self, path: str) -> dict[str, Any]:
+        message = f"request body exceeds {self.max_bytes} bytes (server.max_body_bytes)"
+        if path.startswith(ELEVENLABS_PATHS):
+            return {"detail": {"status": "request_too_large", "message": message}}
+        if path.startswith(CARTESIA_PREFIX):  # Cartesia's endpoints answer in Cartesia's shape
+            return http_error_body("request_too_large", 413, message)
+        return openai_error_body(message, code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -180,7 +211,7 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await _send_json(send, 413, self._too_large())
+            await _send_json(send, 413, self._too_large(scope["path"]))
             return
         # Read the body here (bounded), then replay it: chunked uploads are counted too.
         body = bytearray()
@@ -190,7 +221,7 @@ class BodyLimitMiddleware:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                await _send_json(send, 413, self._too_large())
+                await _send_json(send, 413, self._too_large(scope["path"]))
                 return
             if not message.get("more_body", False):
                 break
@@ -204,40 +235,6 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
-
-
-class SpeechResponse(StreamingResponse):
-    """Streams a SpeechStream and closes it however the response ends (done, error, client gone).
-
-    A client that stops reading leaves the response waiting for its socket to drain; when the stream
-    reports it stalled (server.stalled_client_timeout_s), the response is abandoned mid-body and the
-    connection is reset (Gateway.reset_connection): a graceful close would wait for the client to read."""
-
-    def __init__(self, stream: SpeechStream, content: AsyncIterator[bytes], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def drop_when_stalled() -> None:
-                    await self.stream.stalled.wait()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(drop_when_stalled)
-                await super().__call__(scope, receive, send)
-                group.cancel_scope.cancel()
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            # A client disconnect cancels the response task; the session must still be cancelled.
-            with anyio.CancelScope(shield=True):
-                await self.stream.close(error)
-            if self.stream.stalled.is_set():
-                self.stream.gateway.reset_connection(scope.get("client"))
 
 
 _ERROR_DESCRIPTIONS = {
@@ -306,18 +303,6 @@ _SPEECH_EXAMPLES: dict[str, Any] = {
 }
 
 
-def body_parse_error(cause: BaseException | None) -> InvalidRequestError | None:
-    """Why FastAPI could not parse a JSON body (it answers a bare 400 for anything but a JSON syntax error)."""
-    if isinstance(cause, UnicodeDecodeError):
-        return InvalidRequestError(f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at "
-                                   f"offset {cause.start}); send JSON encoded as UTF-8")
-    if isinstance(cause, RecursionError):
-        return InvalidRequestError("the request body nests JSON arrays or objects too deeply")
-    if isinstance(cause, ValueError):  # e.g. an integer of more digits than Python converts (4300)
-        return InvalidRequestError(f"the request body is not acceptable JSON: {cause}")
-    return None
-
-
 def _sse(event: dict[str, Any]) -> bytes:
     return b"data: " + _json_bytes(event) + b"\n\n"
 
@@ -338,18 +323,32 @@ async def _sse_events(stream: SpeechStream) -> AsyncIterator[bytes]:
                 "metrics": metrics})
 
 
-async def _client_disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read by then)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        continue
-
-
 def create_app(service: SpeechService, config: Config, *, gateway: Gateway | None = None) -> FastAPI:
-    """The HTTP + WebSocket app. Pass `gateway` to share limits and metrics with a gRPC server."""
+    """The HTTP + WebSocket app: every route the server serves, composed here and only here, for one API
+    process, each of N API processes and a Ray Serve replica alike (ARCHITECTURE §7). Pass `gateway` to
+    share limits and metrics with a gRPC server."""
     gateway = gateway if gateway is not None else Gateway(service, config)
     app = FastAPI(title="orpheus-serve", version=__version__,
                   description="Streaming Orpheus text-to-speech, OpenAI-compatible.")
     app.state.gateway = gateway
+    add_error_handlers(app, gateway)
+    add_service_routes(app, gateway)
+    add_speech_route(app, gateway)
+    add_stream_route(app, gateway)
+    add_cartesia_route(app, gateway)
+    add_elevenlabs_routes(app, gateway)
+    add_cartesia_http_routes(app, gateway)
+    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
+    if config.server.playground:
+        add_playground(app)
+    # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
+    return app
+
+
+def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    """Every error, FastAPI's and Starlette's included, as an OpenAI-style error body."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -376,14 +375,19 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             message = f"no route for {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed for {request.url.path}"
-        return JSONResponse(openai_error_body(message, param=None, code=code), status_code=exc.status_code,
-                            headers=dict(exc.headers or {}))
+        body = {"detail": {"status": code, "message": message}} if request.url.path.startswith(ELEVENLABS_PATHS) \
+            else openai_error_body(message, param=None, code=code)
+        return JSONResponse(body, status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(openai_error_body("internal server error", type="server_error", code="internal_error"),
                             status_code=500)
+
+
+def add_service_routes(app: FastAPI, gateway: Gateway) -> None:
+    """Health, readiness, the model and voice lists, stats and Prometheus metrics."""
 
     @app.get("/health", response_model=HealthBody)
     async def health() -> dict[str, str]:
@@ -427,12 +431,16 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+
+def add_speech_route(app: FastAPI, gateway: Gateway) -> None:
+    """POST /v1/audio/speech: OpenAI's speech endpoint, streamed (raw audio or SSE)."""
+
     @app.post(SPEECH_PATH, response_class=StreamingResponse, responses=_SPEECH_RESPONSES)
     async def create_speech(body: Annotated[SpeechRequestBody, Body(openapi_examples=_SPEECH_EXAMPLES)],
                             request: Request) -> Response:
         stream = await gateway.admit("rest", lambda: (body.synthesis_request(), body.output_options()),
                                      received_at=request.scope.get(RECEIVED_AT_KEY, time.perf_counter()),
-                                     disconnected=lambda: _client_disconnected(request))
+                                     disconnected=lambda: client_disconnected(request))
         if stream is None:
             # The client left while queued; the session is cancelled and nobody reads this.
             return Response(status_code=499)
@@ -445,21 +453,16 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             return SpeechResponse(stream, _sse_events(stream), media_type="text/event-stream", headers=headers)
         return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)
 
-    add_stream_route(app, gateway)
-    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
-    if config.server.playground:
-        # The page refers to its files and to the API by relative URLs, so the same file works at / and at
-        # /playground, and under a proxy's path prefix.
-        @app.get("/", include_in_schema=False)
-        @app.get("/playground", include_in_schema=False)
-        async def playground() -> FileResponse:
-            return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-        app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
-    # Added last = outermost: the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
-    return app
+def add_playground(app: FastAPI) -> None:
+    # The page refers to its files and to the API by relative URLs, so the same file works at / and at
+    # /playground, and under a proxy's path prefix.
+    @app.get("/", include_in_schema=False)
+    @app.get("/playground", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
 
 def _openapi_document(app: FastAPI, *, bearer: bool) -> dict[str, Any]:

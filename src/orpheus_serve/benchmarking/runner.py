@@ -1,4 +1,4 @@
-"""Benchmark modes, run from the client side against real servers (DESIGN §8).
+"""Benchmark modes, run from the client side against real servers (ARCHITECTURE §8).
 
     single    one request at a time: TTFB and RTF with nothing else running
     scaling   concurrency 1 -> N (closed loop); the largest concurrency whose p95
@@ -34,8 +34,8 @@ import httpx
 
 from ..client.records import percentile, summarize
 from ..config import SimConfig
-from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
 from .workload import make_workload
 
 
@@ -94,7 +94,7 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
                 await asyncio.sleep(spec.ramp_s * index / spec.concurrency)  # arrival schedule
             async with semaphore:
                 kwargs: dict[str, Any] = {"voice": voice, "fmt": "pcm", **sampling}
-                if protocol == "rest":
+                if protocol in ("rest", "elevenlabs"):
                     kwargs["client"] = http
                 elif protocol in ("grpc", "riva"):
                     kwargs["channel"] = channel
@@ -160,6 +160,10 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
         results, wall = asyncio.run(run_load(target, spec, progress=progress, lags=client_lags))
     after = target.stats()
     row: dict[str, Any] = {"concurrency": spec.concurrency, "protocol": spec.protocol, **summarize(results, wall)}
+    # Each stream's length: with fixed-length utterances (max_tokens) a short one means the model stopped early.
+    lengths = [r.audio_seconds for r in results if r.ok]
+    row["stream_audio_s_min"] = round(min(lengths), 3) if lengths else None
+    row["stream_audio_s_max"] = round(max(lengths), 3) if lengths else None
     # Whose lateness the underruns may be: the server's API process(es), or this client's own loop.
     row["gateway_lag_ms_max"] = max(gateway.samples, default=None)
     row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))

@@ -2,7 +2,7 @@
 
 Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
 the audio bytes, the arrival time and size of every audio message (from which
-TTFB, underruns and RTF follow, DESIGN §8), the server's final metrics where
+TTFB, underruns and RTF follow, ARCHITECTURE §8), the server's final metrics where
 the protocol carries them, and a status: `ok`, `rejected` (the server is
 full, not ready or shutting down: retry later) or `error` (with a message
 saying what went wrong, including "cannot connect"). They never raise for
@@ -29,12 +29,12 @@ import httpx
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from ..audio import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
+from ..audio.encoding import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
 from ..proto import AUDIO_FORMAT_NUMBERS
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..protocol import SAMPLE_RATE
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import SAMPLE_RATE
 from .records import StreamRecord
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -308,6 +308,58 @@ async def synthesize_cartesia(base_url: str, text: str, *, voice: str | None = N
     return await _ws_exchange(exchange, result, url, timeout_s)
 
 
+# Formats the ElevenLabs API names by output_format (the client's own format -> its rate and name).
+_ELEVENLABS_FORMATS = {"pcm": "pcm_{rate}", "mulaw": "ulaw_8000", "alaw": "alaw_8000", "mp3": "mp3_44100_128",
+                       "opus": "opus_48000_64"}
+
+
+async def synthesize_elevenlabs(base_url: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
+                                speed: float = 1.0, sample_rate: int | None = SAMPLE_RATE, api_key: str | None = None,
+                                client: httpx.AsyncClient | None = None, timeout_s: float = 300.0,
+                                **sampling: Any) -> ClientResult:
+    """POST /v1/text-to-speech/{voice}/stream (the ElevenLabs-compatible API), streaming the body. Sampling
+    options travel as ElevenLabs carries them: `seed`, and the temperature as `voice_settings.stability`;
+    the others (max_tokens, top_p, ...) have no ElevenLabs field and are not sent."""
+    rate = {"mulaw": 8000, "alaw": 8000, "mp3": 44100, "opus": 48000}.get(fmt, sample_rate or SAMPLE_RATE)
+    result = ClientResult("elevenlabs", time.perf_counter(), format=fmt, sample_rate=rate, text_chars=len(text))
+    if fmt not in _ELEVENLABS_FORMATS:
+        return result._fail("error", f"the ElevenLabs API has no {fmt} output", "format")
+    settings: dict[str, Any] = {"speed": speed}
+    if sampling.get("temperature") is not None:
+        settings["stability"] = max(0.0, 1.0 - sampling["temperature"] / 1.2)
+    body: dict[str, Any] = {"text": text, "model_id": "orpheus", "voice_settings": settings,
+                            "seed": sampling.get("seed")}
+    url = f"{base_url.rstrip('/')}/v1/text-to-speech/{voice or 'tara'}/stream"
+    own_client = client is None
+    http = client if client is not None else http_client(base_url, timeout_s)
+    try:
+        result.sent_s = time.perf_counter()
+        async with http.stream("POST", url, json=body, params={"output_format": _ELEVENLABS_FORMATS[fmt].format(
+                rate=rate)}, headers={"xi-api-key": api_key} if api_key else {}) as response:
+            result.request_id = response.headers.get("x-request-id")
+            if response.status_code != 200:
+                raw = await response.aread()
+                try:
+                    detail = json.loads(raw)["detail"]
+                    message, code = str(detail["message"]), detail.get("status")
+                except (ValueError, KeyError, TypeError):
+                    message, code = raw.decode(errors="replace")[:300], None
+                status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
+                return result._fail(status, f"HTTP {response.status_code}: {message}", code or
+                                    str(response.status_code))
+            async for data in response.aiter_raw():
+                if data:
+                    result._receive(data)
+    except httpx.ConnectError as exc:
+        return result._fail("error", f"cannot connect to {base_url}: {exc} (is the server running?)", "connect")
+    except httpx.HTTPError as exc:
+        return result._fail("error", f"{type(exc).__name__} talking to {base_url}: {exc}", "transport")
+    finally:
+        if own_client:
+            await http.aclose()
+    return result
+
+
 async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
                           speed: float = 1.0, sample_rate: int | None = None, api_key: str | None = None,
                           channel: grpc.aio.Channel | None = None, timeout_s: float = 300.0,
@@ -413,6 +465,8 @@ async def synthesize(protocol: str, text: str, *, url: str = DEFAULT_URL, grpc_a
     if protocol == "cartesia":
         kwargs.pop("client", None)
         return await synthesize_cartesia(url, text, **kwargs)
+    if protocol == "elevenlabs":
+        return await synthesize_elevenlabs(url, text, **kwargs)
     raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
 
 

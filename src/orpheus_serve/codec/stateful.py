@@ -73,7 +73,7 @@ from torch import nn
 
 from orpheus_serve.codec.base import CodecPush, CodecResult
 from orpheus_serve.codec.transfer import HostTransfer
-from orpheus_serve.protocol import TOKENS_PER_FRAME, frames_to_snac_codes
+from orpheus_serve.token_format import TOKENS_PER_FRAME, frames_to_snac_codes
 
 from .loader import SeededNoiseBlock
 
@@ -521,7 +521,8 @@ class StatefulDecoder:
         if contiguous:
             state = self._pool[rows[0] : rows[0] + batch]  # a view: updated in place
         else:
-            row_index = torch.tensor(rows, device=self.device)
+            # Through the pinned ring (transfer.py): a pageable copy would wait for this stream's queued work.
+            row_index = self._transfer.codes_to_device(np.asarray(rows, dtype=np.int64))
             state = self._pool.index_select(0, row_index)  # [B, state_size]
         ctx = _StepContext(
             states=[state[:, off : off + size].view(batch, c, t) for off, c, t, size in self._state_slots],
@@ -558,10 +559,10 @@ class StatefulDecoder:
         if not at_edge:
             return None
         no_end = np.iinfo(np.int64).max // 2**20
-        first = torch.tensor([w.session.frames_in for w in group], device=self.device)[:, None]  # [B, 1]
-        total = torch.tensor(
-            [no_end if w.session.total_frames is None else w.session.total_frames for w in group], device=self.device
-        )[:, None]  # [B, 1]
+        edges = np.array([[w.session.frames_in, no_end if w.session.total_frames is None else w.session.total_frames]
+                          for w in group], dtype=np.int64)
+        first, total = self._transfer.codes_to_device(edges).unbind(1)  # one pinned copy (transfer.py)
+        first, total = first[:, None], total[:, None]  # [B, 1]
         masks = []
         for edge in self._edges:
             r = edge.samples_per_frame

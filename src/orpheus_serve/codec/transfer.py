@@ -23,7 +23,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-CODE_BUFFERS = 4  # host-to-device copies of codes that may be in flight at once
+# Host-to-device copies of codes that may be in flight at once: a decode step makes up to three (codes,
+# rows of the state pool, edge positions), and a buffer's reuse waits for the stream to reach its last copy.
+CODE_BUFFERS = 8
 
 
 class HostTransfer:

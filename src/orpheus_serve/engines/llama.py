@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from orpheus_serve.engines.vram_budget import LlamaDims
-from orpheus_serve.step import EngineError
+from orpheus_serve.scheduler.step import EngineError
 
 if TYPE_CHECKING:
     from orpheus_serve.engines.lora import LayerLora, LoraBatch
@@ -351,13 +351,13 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     raise EngineError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _iter_checkpoint(folder: Path) -> Iterator[tuple[str, Tensor]]:
+def _iter_checkpoint(folder: Path, device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
     from safetensors import safe_open
 
     for path in _checkpoint_files(folder):
         if not path.is_file():
             raise EngineError(f"{path}: shard listed in the index is missing")
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
 
@@ -367,7 +367,9 @@ def load_transformer(path: str | Path, *, dtype: torch.dtype, device: torch.devi
     folder = Path(path)
     config = LlamaConfig.from_folder(folder)
     hf: dict[str, Tensor] = {}
-    for name, tensor in _iter_checkpoint(folder):
+    # Straight to the device: the fused projections below are concatenated there, not in host memory
+    # (a 3B checkpoint is 6.6 GB; one pass over it instead of a host copy and a second upload).
+    for name, tensor in _iter_checkpoint(folder, device):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
         hf[name] = tensor

@@ -41,15 +41,28 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from orpheus_serve.step import EngineError
+from orpheus_serve.scheduler.step import EngineError
 
-if TYPE_CHECKING:
-    from orpheus_serve.engines.llama import LlamaConfig
+
+class ModelShape(Protocol):
+    """The shapes of the base model an adapter must fit (engines/llama.LlamaConfig has them; not imported
+    here, since llama.py imports this module's LayerLora and LoraBatch)."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def q_size(self) -> int: ...
+    @property
+    def kv_size(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -78,7 +91,7 @@ class AdapterBusyError(EngineError):
     """Every pool entry holds an adapter some running session uses: a new one cannot come in now."""
 
 
-def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(config: ModelShape) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every target projection."""
     d, f = config.dim, config.intermediate_size
     return {"q_proj": (d, config.q_size), "k_proj": (d, config.kv_size), "v_proj": (d, config.kv_size),
@@ -106,12 +119,9 @@ class LoraAdapter:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
 
-def read_peft_adapter(folder: str | Path, config: LlamaConfig, *, max_rank: int, name: str | None = None) -> LoraAdapter:
-    """Read and validate a PEFT LoRA folder against the base model; AdapterError says what is wrong."""
-    from safetensors import SafetensorError, safe_open
-
-    folder = Path(folder)
-    name = name or folder.name
+def _read_adapter_config(folder: Path, name: str, max_rank: int) -> tuple[int, float, float]:
+    """(rank, alpha, scale) from a PEFT folder's adapter_config.json, checked to be plain LoRA on the
+    supported target modules; AdapterError says what is wrong (also a missing weights file)."""
     cfg_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     if not cfg_path.is_file():
         raise AdapterError(f"adapter {name!r}: no {ADAPTER_CONFIG} in {folder}")
@@ -153,6 +163,17 @@ def read_peft_adapter(folder: str | Path, config: LlamaConfig, *, max_rank: int,
     if rank > max_rank:
         raise AdapterError(f"adapter {name!r}: rank {rank} is over engine.max_lora_rank {max_rank}")
     scale = alpha / rank**0.5 if cfg.get("use_rslora") else alpha / rank
+    return rank, alpha, scale
+
+
+def read_peft_adapter(folder: str | Path, config: ModelShape, *, max_rank: int, name: str | None = None) -> LoraAdapter:
+    """Read and validate a PEFT LoRA folder against the base model; AdapterError says what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    name = name or folder.name
+    rank, alpha, scale = _read_adapter_config(folder, name, max_rank)
+    weights_path = folder / ADAPTER_WEIGHTS
 
     shapes = projection_shapes(config)
     halves: dict[tuple[int, str], dict[str, Tensor]] = {}
@@ -198,7 +219,7 @@ def read_peft_adapter(folder: str | Path, config: LlamaConfig, *, max_rank: int,
 # ----------------------------------------------------------------------------- device pool
 
 
-def pool_bytes(config: LlamaConfig, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+def pool_bytes(config: ModelShape, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
     """Device memory of the pool (the memory planner counts it): max_loras + 1 entries."""
     if max_loras <= 0:
         return 0
@@ -215,7 +236,7 @@ def pool_bytes(config: LlamaConfig, *, max_loras: int, max_rank: int, dtype: tor
 class LoraPool:
     """The fixed device tensors adapters are copied into (see the module docstring)."""
 
-    def __init__(self, config: LlamaConfig, *, max_loras: int, max_rank: int, dtype: torch.dtype,
+    def __init__(self, config: ModelShape, *, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         if max_loras < 1 or max_rank < 1:
             raise EngineError("a LoRA pool needs max_loras >= 1 and max_lora_rank >= 1")
@@ -369,7 +390,7 @@ class AdapterStatus:
 class LoraManager:
     """Adapters on disk, the LRU device pool, and which sessions pin which entry (module docstring)."""
 
-    def __init__(self, config: LlamaConfig, *, adapters_dir: str | Path | None, max_loras: int, max_rank: int,
+    def __init__(self, config: ModelShape, *, adapters_dir: str | Path | None, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.config = config
         self.adapters_dir = Path(adapters_dir) if adapters_dir else None

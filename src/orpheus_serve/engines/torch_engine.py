@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.base import MemoryReport
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
@@ -72,7 +72,15 @@ from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, Lor
 from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
 from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from orpheus_serve.engines.sdpa import DEFAULT_SDPA_BACKENDS, pinned_sdpa, sdpa_backends, serving_backend
+from orpheus_serve.scheduler.step import (
+    EngineError,
+    PrefillChunk,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    sampling_problem,
+)
 
 if TYPE_CHECKING:
     from orpheus_serve.config import Config
@@ -166,7 +174,11 @@ class TorchEngine:
     def __init__(self, model_path: str | Path, *, num_slots: int, max_seq_len: int, device: str = "cpu",
                  dtype: str = "fp32", max_batch_size: int = 16, cuda_graphs: bool = True,
                  memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0,
+                 sdpa: Sequence[str] = DEFAULT_SDPA_BACKENDS, model: Transformer | None = None,
                  adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64) -> None:
+        """`sdpa`: the attention kernels PyTorch may pick on CUDA (engines/sdpa.py). `model`: weights already
+        loaded from `model_path` on `device` in `dtype`, shared by engines run one after another (a benchmark);
+        its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py."""
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = Path(model_path)
@@ -176,6 +188,7 @@ class TorchEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError(f"device {device!r} requested but CUDA is not available")
         self.dtype = torch_dtype(dtype)
+        self._sdpa = sdpa_backends(sdpa)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -187,6 +200,8 @@ class TorchEngine:
         use_graphs = cuda_graphs and self.device.type == "cuda"
         use_lora = adapters_dir is not None and max_loras > 0
         budget = available_bytes(self.device)
+        if budget is not None and model is not None:  # the shared weights are resident already: the plan counts them
+            budget += sum(p.numel() * p.element_size() for p in model.parameters())
         plan = plan_memory(self.config, num_slots=num_slots, max_seq_len=max_seq_len, dtype=self.dtype,
                            max_batch_size=max_batch_size, cuda_graphs=use_graphs, codec_bytes=codec_bytes,
                            budget_bytes=None if budget is None else int(budget * memory_fraction),
@@ -197,7 +212,12 @@ class TorchEngine:
         self.memory_plan = plan
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         with self._on_stream():
-            self.model = load_transformer(folder, dtype=self.dtype, device=self.device)
+            if model is None:
+                model = load_transformer(folder, dtype=self.dtype, device=self.device)
+            elif model.output.weight.device != self.device or model.output.weight.dtype != self.dtype:
+                raise EngineError(f"shared model is {model.output.weight.dtype} on {model.output.weight.device}, "
+                                  f"this engine runs {self.dtype} on {self.device}")
+            self.model = model
             # With graphs, one extra cache row takes the padding rows' writes.
             self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len)
             # On a CPU, sorting 4097 candidates per row costs more than the rest of sampling: filter
@@ -215,6 +235,11 @@ class TorchEngine:
         self._seed_source = random.Random(seed)
         self._closed = False
         self._graphs: DecodeGraphs | None = None
+        cfg = self.config
+        self.sdpa_backend = serving_backend(sdpa, device=self.device, dtype=self.dtype, kv_heads=cfg.n_kv_heads,
+                                            query_rows=cfg.n_heads // cfg.n_kv_heads, head_dim=cfg.head_dim)
+        if self.device.type == "cuda":
+            logger.info("attention: SDPA limited to %s; %s serves decode", ", ".join(sdpa), self.sdpa_backend)
         if use_graphs:
             assert self._stream is not None
             started = time.perf_counter()
@@ -249,6 +274,7 @@ class TorchEngine:
             adapters_dir=config.voices.adapters_dir,
             max_loras=config.voices.max_loras,
             max_lora_rank=config.voices.max_lora_rank,
+            sdpa=config.engine.sdpa_backends,
         )
 
     # ------------------------------------------------------------------ TokenEngine
@@ -309,6 +335,8 @@ class TorchEngine:
         if self._stream is not None:
             self._stream.synchronize()
         self._graphs = None
+        for layer in self.model.layers:  # a shared model (see __init__) must not keep this engine's caches alive
+            layer.attention.kv_cache = None
         del self.model, self._sampling, self._last_token
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -320,7 +348,7 @@ class TorchEngine:
         if self._stream is None:
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream), pinned_sdpa(self.device, self._sdpa):
             yield
 
     def _valid_slot(self, slot: int, out: StepOutput) -> bool:

@@ -35,7 +35,6 @@ const panel = new ServerPanel({
   connections: $("s-connections"), spark: $("spark"), sparkCaption: $("spark-caption"),
 });
 const cutter = new SentenceCutter();
-const liveItems = new Map(); // job id -> <li>
 
 // ------------------------------------------------------------------ messages
 
@@ -198,22 +197,42 @@ function showPlayer(stats) {
 }
 
 // ------------------------------------------------------------------ type and it speaks
+//
+// One context on the socket holds everything typed: each finished sentence goes into it with a flush,
+// so the server speaks it at once, its audio follows the previous sentence's in one stream, and the
+// server answers {"flushed": true, "flush_id": N} once the N-th sentence's audio is all out. A context
+// that gets no text for stream_input.idle_timeout_s ends by itself; the next sentence opens a new one.
 
 let liveTimer = null;
+let liveJob = null; // the context the next sentence goes into
+
+function liveContext() {
+  if (liveJob === null || liveJob.finished || liveJob.state === "stopping") {
+    liveJob = playback.openContext(speechParams(), "live");
+  }
+  return liveJob;
+}
+
+function setLiveItem(item, state, label) {
+  item.dataset.state = state;
+  item.querySelector(".state").textContent = label;
+}
 
 function liveSend(sentences) {
   for (const sentence of sentences) {
-    const job = playback.enqueue(sentence, speechParams(), "live");
+    const job = liveContext();
+    if (!playback.contextText(job, `${sentence} `, { flush: true })) continue;
     const item = document.createElement("li");
-    item.dataset.state = "queued";
+    item.dataset.context = job.contextId;
+    // Sentences typed before the context opened go out with its first message, as one flush.
+    item.dataset.flush = String(job.state === "queued" ? 1 : job.flushes);
     const text = document.createElement("span");
     text.textContent = sentence;
     const state = document.createElement("span");
     state.className = "state";
-    state.textContent = "queued";
     item.append(text, " ", state);
+    setLiveItem(item, "sent", "sent");
     ui.liveList.append(item);
-    liveItems.set(job.id, item);
   }
 }
 
@@ -228,24 +247,36 @@ function liveInput() {
   }, LIVE_IDLE_MS);
 }
 
+function liveItems(job) {
+  return [...ui.liveList.children].filter((item) => item.dataset.context === job.contextId);
+}
+
+function showLiveFlushed({ job, flushId }) {
+  for (const item of liveItems(job)) {
+    if (item.dataset.state !== "spoken" && Number(item.dataset.flush) <= flushId) {
+      const first = job.ttfbMs === null ? "" : ` · first audio ${ms(job.ttfbMs)}`;
+      setLiveItem(item, "spoken", item === liveItems(job)[0] ? `spoken${first}` : "spoken");
+    }
+  }
+}
+
 function showLiveJob(job) {
-  const item = liveItems.get(job.id);
-  if (!item) return;
-  item.dataset.state = job.state;
-  const label = {
-    sent: "sent", streaming: `speaking · first audio ${ms(job.ttfbMs)}`, stopping: "stopping",
-    done: `done · first audio ${ms(job.ttfbMs)}`, cancelled: "cancelled", failed: `failed: ${job.error?.message}`,
-  }[job.state] ?? job.state;
-  item.querySelector(".state").textContent = label;
+  if (job.contextId === null) return;
+  for (const item of liveItems(job)) {
+    if (item.dataset.state === "spoken") continue;
+    if (job.state === "streaming" && item.dataset.state === "sent") setLiveItem(item, "streaming", "speaking");
+    else if (job.state === "cancelled") setLiveItem(item, "cancelled", "stopped");
+    else if (job.state === "failed") setLiveItem(item, "failed", `failed: ${job.error?.message}`);
+  }
 }
 
 async function liveClear() {
   clearTimeout(liveTimer);
   await playback.stop();
+  liveJob = null;
   ui.liveText.value = "";
   cutter.reset();
   ui.liveList.replaceChildren();
-  liveItems.clear();
   ui.liveText.focus();
 }
 
@@ -305,6 +336,19 @@ function forgetKey() {
   loadServerInfo();
 }
 
+// ------------------------------------------------------------------ endpoints
+
+/** The Endpoints panel's addresses, as a client of this page's server would write them. */
+function fillEndpoints() {
+  const base = new URL(".", document.baseURI);
+  const origin = base.href.replace(/\/$/, "");
+  const wsOrigin = origin.replace(/^http/, "ws");
+  for (const element of document.querySelectorAll("#endpoints [data-url]")) {
+    const path = element.dataset.path;
+    element.textContent = `${element.dataset.url === "ws" ? wsOrigin : origin}${path}`;
+  }
+}
+
 // ------------------------------------------------------------------ wiring
 
 for (const tag of TAGS) {
@@ -347,6 +391,7 @@ playback.addEventListener("job", (event) => {
   showLiveJob(event.detail);
   refreshButtons();
 });
+playback.addEventListener("flushed", (event) => showLiveFlushed(event.detail));
 playback.addEventListener("player", (event) => showPlayer(event.detail));
 playback.addEventListener("stream-start", (event) => {
   waveform.show(event.detail);
@@ -376,5 +421,6 @@ window.orpheusPlayground = {
 };
 
 if (!apiKey()) ui.keyStatus.textContent = "No key set. Kept in this tab only (sessionStorage) when you set one.";
+fillEndpoints();
 loadServerInfo();
 panel.start();

@@ -1,12 +1,15 @@
 // One stream of speech: requests on the WebSocket, one at a time, their audio played back to back.
 //
-// Speak sends one request; the live demo sends one per sentence as they are typed. Requests queue
-// here (not on the server) so that Stop can drop the queue, cancel the running request, and get
-// the server's acknowledgement for that request alone.
+// Speak sends one request. The live demo opens one context (text streamed in, see the README's
+// "Text streamed in") and sends each sentence into it as it is typed, with a flush: the server
+// speaks it at once and answers {"flushed": true, "flush_id"} when its audio is all out. Requests
+// queue here (not on the server) so that Stop can drop the queue, cancel the running request or
+// context, and get the server's acknowledgement for it alone.
 //
 // Events: "job" (detail: Job; any change of state), "audio" (detail: {job, samples}),
-// "player" (detail: the player's figures), "stream-start" / "stream-end" (detail: Utterance),
-// "notice" (detail: ApiError not tied to a request).
+// "flushed" (detail: {job, flushId}), "chunk" (detail: {job, chunk}: the server's text chunk and its
+// place in the audio), "player" (detail: the player's figures), "stream-start" / "stream-end"
+// (detail: Utterance), "notice" (detail: ApiError not tied to a request).
 
 import { ApiError } from "./api.js";
 import { createPlayer } from "./player.js";
@@ -24,6 +27,15 @@ export class Job {
     this.params = params;
     this.origin = origin; // "speak" | "live"
     this.state = "queued"; // queued | sent | streaming | stopping | done | cancelled | failed
+    // A context (Playback.openContext): its id on the socket, text typed before it could be opened,
+    // flushes sent and acknowledged, whether text went in after the last flush, the server's chunks.
+    this.contextId = null;
+    this.pending = "";
+    this.pendingFlush = false;
+    this.flushes = 0;
+    this.flushed = 0;
+    this.textSinceFlush = false;
+    this.chunks = [];
     this.sentAt = null;
     this.firstAudioAt = null;
     this.endedAt = null;
@@ -48,7 +60,8 @@ export class Job {
   summary() {
     return { id: this.id, origin: this.origin, state: this.state, text: this.text, ttfbMs: this.ttfbMs,
       totalMs: this.totalMs, bytes: this.bytes, metrics: this.metrics, error: this.error?.message ?? null,
-      ack: this.ack };
+      ack: this.ack, contextId: this.contextId, flushes: this.flushes, flushed: this.flushed,
+      chunks: this.chunks.map((chunk) => chunk.text) };
   }
 }
 
@@ -103,6 +116,7 @@ export class Playback extends EventTarget {
     this.current = null;
     this.streaming = false; // a player stream is open (begun, not yet drained or flushed)
     this.ending = false; // ...and told that nothing more is coming
+    this.playerDrained = false; // ...and it has played its last sample since
     this.utterance = null;
     this.lastUtterance = null;
     this.ackWaiter = null;
@@ -111,6 +125,8 @@ export class Playback extends EventTarget {
     this.socket.addEventListener("audio", (event) => this.onAudio(event.detail));
     this.socket.addEventListener("done", (event) => this.onDone(event.detail));
     this.socket.addEventListener("cancelled", (event) => this.onCancelled(event.detail));
+    this.socket.addEventListener("flushed", (event) => this.onFlushed(event.detail));
+    this.socket.addEventListener("timestamps", (event) => this.onTimestamps(event.detail));
     this.socket.addEventListener("error", (event) => this.onError(event.detail));
     this.socket.addEventListener("close", (event) => this.onClose(event.detail));
   }
@@ -149,6 +165,59 @@ export class Playback extends EventTarget {
     return job;
   }
 
+  /** A context: a request whose text arrives later, piece by piece (`contextText`). Queued like a request. */
+  openContext(params, origin) {
+    const job = new Job("", params, origin);
+    job.contextId = job.id;
+    this.jobs.push(job);
+    if (this.jobs.length > 50) this.jobs.shift();
+    this.queue.push(job);
+    this.emit("job", job);
+    this.pump();
+    return job;
+  }
+
+  /**
+   * More text for context `job`, spoken as soon as the server can cut it; with `flush`, whatever has
+   * arrived is spoken now. Text for a context not yet open waits here. False once it has ended.
+   */
+  contextText(job, text, { flush = false } = {}) {
+    if (job.finished || job.state === "stopping") return false;
+    job.text += text;
+    if (job.state === "queued") {
+      job.pending += text;
+      job.pendingFlush ||= flush;
+      return true;
+    }
+    try {
+      this.sendContext(job, { text, flush });
+    } catch (error) {
+      this.finish(job, "failed", { error });
+      return false;
+    }
+    return true;
+  }
+
+  sendContext(job, { text = "", flush = false, open = null }) {
+    const message = { ...(open ?? {}), context_id: job.contextId };
+    if (text) message.text = text;
+    if (flush) message.flush = true;
+    if (text) {
+      job.textSinceFlush = true;
+      // The player was told the stream had ended (everything flushed was out): more is coming after all.
+      if (this.streaming && this.ending) {
+        this.player.extend();
+        this.ending = false;
+        this.playerDrained = false;
+      }
+    }
+    if (flush) {
+      job.flushes += 1;
+      job.textSinceFlush = false;
+    }
+    this.socket.send(message);
+  }
+
   async pump() {
     if (this.current !== null || this.queue.length === 0) return;
     const job = this.queue.shift();
@@ -165,13 +234,20 @@ export class Playback extends EventTarget {
         this.emit("stream-start", this.utterance);
       } else if (this.ending) {
         player.extend();
+        this.playerDrained = false;
       }
       this.ending = false;
       this.utterance.jobs.push(job);
       job.sentAt = performance.now();
       job.state = "sent";
-      this.socket.send({ ...job.params, text: job.text, response_format: "pcm", sample_rate: player.sampleRate,
-        request_id: job.id });
+      const options = { ...job.params, response_format: "pcm", sample_rate: player.sampleRate, request_id: job.id };
+      if (job.contextId !== null) {
+        this.sendContext(job, { text: job.pending, flush: job.pendingFlush, open: { ...options, timestamps: true } });
+        job.pending = "";
+        job.pendingFlush = false;
+      } else {
+        this.socket.send({ ...options, text: job.text });
+      }
       this.emit("job", job);
     } catch (error) {
       if (this.current === job) this.finish(job, "failed", { error });
@@ -190,9 +266,14 @@ export class Playback extends EventTarget {
   }
 
   endStream() {
-    if (this.streaming && !this.ending) {
+    if (!this.streaming) return;
+    if (!this.ending) {
       this.ending = true;
+      this.playerDrained = false;
       this.player.end();
+    } else if (this.playerDrained && this.current === null && this.queue.length === 0) {
+      // A context whose audio had all played out before it finished: nothing more will drain.
+      this.closeStream();
     }
   }
 
@@ -215,6 +296,22 @@ export class Playback extends EventTarget {
     const job = this.current;
     if (job === null || message.request_id !== job.id) return;
     this.finish(job, "done", { metrics: message.metrics });
+  }
+
+  onFlushed(message) {
+    const job = this.current;
+    if (job === null || job.contextId === null || message.context_id !== job.contextId) return;
+    job.flushed = message.flush_id;
+    this.emit("flushed", { job, flushId: message.flush_id });
+    // Everything sent so far is out: the player may run dry now without that being an underrun.
+    if (job.flushed === job.flushes && !job.textSinceFlush) this.endStream();
+  }
+
+  onTimestamps(message) {
+    const job = this.current;
+    if (job === null || job.contextId === null || message.context_id !== job.contextId) return;
+    job.chunks.push(message.timestamps.chunk);
+    this.emit("chunk", { job, chunk: message.timestamps.chunk });
   }
 
   onCancelled(message) {
@@ -244,7 +341,9 @@ export class Playback extends EventTarget {
   }
 
   onDrained() {
-    // A sentence may have been sent while the end of the previous one was still draining.
+    this.playerDrained = true;
+    // A request may have been sent, or a context be waiting for its next sentence, while the end of
+    // the previous audio was still draining.
     if (this.current !== null || this.queue.length) return;
     this.closeStream();
   }
@@ -298,7 +397,7 @@ export class Playback extends EventTarget {
         resolve(message);
       };
       try {
-        this.socket.send({ cancel: true });
+        this.socket.send(job.contextId === null ? { cancel: true } : { context_id: job.contextId, cancel: true });
       } catch {
         clearTimeout(timer);
         resolve(null);

@@ -1,7 +1,8 @@
 // The native WebSocket, /v1/audio/stream: JSON requests in, binary PCM and JSON events out.
 //
 // Events: "audio" (detail: ArrayBuffer), "done" / "cancelled" (detail: the server's message),
-// "error" (detail: ApiError with the request's id in `requestId`), "close" (detail: {code, reason}).
+// "flushed" / "timestamps" (detail: the server's message; a context's flush is all out, a text chunk's
+// bounds), "error" (detail: ApiError with the request's id in `requestId`), "close" (detail: {code, reason}).
 
 import { ApiError, getJSON, streamProtocols, streamUrl } from "./api.js";
 
@@ -90,6 +91,10 @@ export class SpeechSocket extends EventTarget {
       this.dispatchEvent(new CustomEvent("done", { detail: message }));
     } else if ("cancelled" in message) {
       this.dispatchEvent(new CustomEvent("cancelled", { detail: message }));
+    } else if (message.flushed) {
+      this.dispatchEvent(new CustomEvent("flushed", { detail: message }));
+    } else if (message.timestamps) {
+      this.dispatchEvent(new CustomEvent("timestamps", { detail: message }));
     }
   }
 }

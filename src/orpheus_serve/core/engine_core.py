@@ -1,0 +1,279 @@
+"""The engine core: one thread that drives the token engine.
+
+It runs in the server's process (core.client.InprocClient) or in an
+engine-core process of its own (core/process.py, `server.engine_process`);
+either way `core.client.CoreRuntime` wires it to the scheduler and the
+codec worker, and it never touches a socket.
+
+    loop:
+        plan = scheduler.schedule()          # pure bookkeeping
+        out = engine.step(plan)              # the model runs here
+        events = scheduler.update(plan, out)
+        FramesReady      -> codec worker (batched SNAC decode on its own thread)
+        other events     -> on_event (the service hops them onto its asyncio loop)
+
+`submit` and `cancel` come from the asyncio thread (or, in the engine-core
+process, from its input thread); the scheduler's own lock
+makes that safe. When there is no work the thread waits on a condition that
+`submit`/`cancel`/`stop`/`wake` notify (after changing the scheduler, so no
+wake-up is lost); it never polls. While sessions exist but none can step
+(all held back by flow control, or queued for capacity) it waits at most
+`idle_tick_s`, or until `wake()`: the codec and the service call it when a
+session's backlog shrinks.
+
+Each loop period (schedule -> step -> update -> dispatch) is reported to the
+scheduler (`record_step_time`): that, not the engine call alone, is what a
+stream waits between two tokens, and it feeds the capacity measure that
+admission uses.
+
+A step that raises fails only its culprit. The engine core runs the plan's
+releases on their own, then its sessions again in halves (and halves of
+those) until every session has either run in a sub-step that succeeded, so
+its one token for this step is delivered as if nothing had happened, or
+failed alone, with its own error. Engines make this safe: a step that raises
+changes no session (see each engine's docstring), so a session's token is
+the one it would have got in the full batch. A plan of n sessions with one
+culprit costs about 2·log2(n) extra engine calls, once.
+
+An engine that fails sessions that have nothing in common is broken, not
+attacked: when `DEAD_AFTER_LONE_FAILURES` sessions have failed alone in
+failed steps where nothing else ran either, with no successful engine call
+in between, the engine is declared dead.
+From then on no step reaches it, every session fails at once, `submit`
+refuses new work (ServiceUnavailableError: 503 / UNAVAILABLE), and
+`engine_alive` is False (the gateway's /ready answers 503 `engine_failed`).
+Only a restart brings it back. An engine that knows it is dead (its runtime
+died: `step.EngineDeadError`) is declared dead by the first step that raises
+it, with the engine's own message, without isolating anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..codec.base import CodecPush
+from ..engines.base import TokenEngine
+from ..request.errors import ServiceUnavailableError
+from ..scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
+from ..scheduler.step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+# Sessions in a row that must fail on their own, with no success in between, before the engine is dead. One is
+# a bad request (and fails alone); two unrelated ones failing alone means it is not about the requests.
+DEAD_AFTER_LONE_FAILURES = 2
+
+
+class CodecSink(Protocol):
+    """What the engine core needs from the codec worker."""
+
+    def submit_many(self, pushes: Sequence[CodecPush]) -> None: ...
+
+    def close_session(self, key: str) -> None: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        engine: TokenEngine,
+        codec: CodecSink,
+        on_event: Callable[[SchedulerEvent], None],
+        *,
+        on_frames: Callable[[FramesReady], None] | None = None,
+        idle_tick_s: float = 0.05,
+    ) -> None:
+        self._scheduler = scheduler
+        self._engine = engine
+        self._codec = codec
+        self._on_event = on_event
+        self._on_frames = on_frames  # optional tap (token logs for tooling)
+        # Upper bound on how long the loop waits while sessions exist but nothing
+        # can be planned (all queued behind busy slots): timeouts are checked then.
+        self._idle_tick_s = idle_tick_s
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._wakeups = 0  # counts notifications, so a wait after a check misses none
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.step_errors = 0
+        self.busy_s = 0.0  # wall time inside engine.step
+        self.engine_elapsed_s = 0.0  # what the engine says its steps took (the sim engine: its cost model)
+        self.loop_s = 0.0  # whole loop periods that ran a step: schedule -> step -> update -> dispatch
+        self.engine_failure: str | None = None  # set when the engine is declared dead
+        self._lone_failures = 0  # sessions failed alone since the engine last ran anything successfully
+
+    # ------------------------------------------------------------ from asyncio
+
+    @property
+    def engine_alive(self) -> bool:
+        return self.engine_failure is None
+
+    def submit(self, req: SessionRequest) -> None:
+        """Queue a session; raises the scheduler's SchedulerFullError at once when the queue is full, and
+        ServiceUnavailableError once the engine is dead."""
+        if self.engine_failure is not None:
+            raise ServiceUnavailableError(f"the engine has failed and the server needs a restart: {self.engine_failure}")
+        self._scheduler.submit(req)
+        self._wake()
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self._scheduler.cancel(request_id, reason)
+        self._wake()
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self._scheduler.stats()
+
+    def wake(self) -> None:
+        """Something a held-back session waits for has changed (codec progress, client took audio)."""
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._wakeups += 1
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ thread
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine core already started")
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._wakeups += 1
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._scheduler.has_work:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                seen = self._wakeups
+            period_start = time.perf_counter()
+            plan = self._scheduler.schedule()
+            if plan.empty:
+                events = self._scheduler.drain_events()
+                if events:
+                    self._dispatch(events)
+                else:
+                    with self._cond:
+                        if self._wakeups == seen and not self._stopping:
+                            self._cond.wait(self._idle_tick_s)
+                continue
+
+            t0 = time.perf_counter()
+            output = self._step(plan)
+            self.busy_s += time.perf_counter() - t0
+            self.engine_elapsed_s += output.elapsed_s
+            self.steps += 1
+            self._dispatch(self._scheduler.update(plan, output))
+            period = time.perf_counter() - period_start
+            self.loop_s += period
+            self._scheduler.record_step_time(plan, period)
+
+    def _step(self, plan: StepPlan) -> StepOutput:
+        if self.engine_failure is not None:
+            return StepOutput(failed={slot: f"engine failed: {self.engine_failure}" for slot in _slots_of(plan)})
+        try:
+            output = self._engine.step(plan)
+        except EngineDeadError as exc:
+            self.step_errors += 1
+            self._declare_dead(str(exc))
+            return self._step(plan)
+        except Exception as exc:  # find the session(s) at fault; everybody else keeps this step's token
+            self.step_errors += 1
+            log.exception("engine step over %d sessions failed; running them again in smaller groups",
+                          len(plan.decode) + len(plan.prefill))
+            return self._isolate(plan, exc)
+        if plan.prefill or plan.decode:
+            self._lone_failures = 0
+        return output
+
+    def _isolate(self, plan: StepPlan, error: Exception) -> StepOutput:
+        """The output `plan` would have had if only its culprits had failed (see the module docstring)."""
+        out = StepOutput()
+        if plan.release:  # released slots belong to nobody: free them first, on their own
+            try:
+                _merge(out, self._engine.step(StepPlan(release=plan.release)))
+            except Exception as exc:
+                self._declare_dead(f"releasing slots failed: {exc}")
+                return self._step(plan)
+        units: list[PrefillChunk | int] = [*plan.prefill, *plan.decode]
+        pending: list[tuple[list[PrefillChunk | int], Exception]] = [(units, error)]
+        succeeded = False  # some sub-step ran: the engine works, the failures are the sessions' own
+        alone = 0
+        while pending:
+            group, exc = pending.pop()
+            if len(group) == 1:
+                [unit] = group
+                out.failed[unit.slot if isinstance(unit, PrefillChunk) else unit] = f"engine error: {exc}"
+                alone += 1
+                continue
+            for half in (group[: len(group) // 2], group[len(group) // 2 :]):
+                sub = StepPlan(prefill=[u for u in half if isinstance(u, PrefillChunk)],
+                               decode=[u for u in half if not isinstance(u, PrefillChunk)])
+                sub.priority = {s: p for s, p in plan.priority.items() if s in _slots_of(sub)}
+                try:
+                    _merge(out, self._engine.step(sub))
+                except EngineDeadError as dead:
+                    self._declare_dead(str(dead))
+                    return self._step(plan)
+                except Exception as sub_error:
+                    pending.append((half, sub_error))
+                else:
+                    succeeded = True
+        log.warning("isolated the failed step: %d of %d sessions failed (%s)", len(out.failed), len(units),
+                    ", ".join(f"slot {s}: {e}" for s, e in sorted(out.failed.items())))
+        self._lone_failures = 0 if succeeded else self._lone_failures + alone
+        if self._lone_failures >= DEAD_AFTER_LONE_FAILURES:
+            self._declare_dead(f"{self._lone_failures} sessions in a row failed on their own; last: {error}")
+        return out
+
+    def _declare_dead(self, reason: str) -> None:
+        if self.engine_failure is None:
+            self.engine_failure = reason
+            log.critical("the engine is dead (%s); refusing new requests until the server is restarted", reason)
+
+    def _dispatch(self, events: list[SchedulerEvent]) -> None:
+        pushes = []
+        for event in events:
+            if isinstance(event, FramesReady):
+                pushes.append(CodecPush(event.request_id, event.frames, event.final))
+                if self._on_frames is not None:
+                    self._on_frames(event)
+                continue
+            if isinstance(event, SessionFinished) and event.reason not in ("stop", "length"):
+                # No final push will come: drop the codec's state for it, after the pushes before this event.
+                if pushes:
+                    self._codec.submit_many(pushes)
+                    pushes = []
+                self._codec.close_session(event.request_id)
+            self._on_event(event)
+        if pushes:
+            self._codec.submit_many(pushes)  # one wake-up of the codec thread per step
+
+
+def _slots_of(plan: StepPlan) -> set[int]:
+    return {*plan.decode, *(c.slot for c in plan.prefill)}
+
+
+def _merge(out: StepOutput, part: StepOutput) -> None:
+    """Add one sub-step's output to a step's; tokens in order, as an engine that batches itself returns them."""
+    for slot, ids in part.tokens.items():
+        out.tokens.setdefault(slot, []).extend(ids)
+    out.finished.update(part.finished)
+    out.failed.update(part.failed)
+    out.elapsed_s += part.elapsed_s
