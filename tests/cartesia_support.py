@@ -84,7 +84,7 @@ def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, An
     starts with `first_text`."""
     log = server.server.service.token_log
     assert log is not None
-    entries = dict(log)
+    entries = log.snapshot()
     request_ids = [key.rsplit("-", 1)[0] for key, e in entries.items()
                    if key.endswith("-0") and e["text"].startswith(first_text)]
     if not request_ids:

@@ -67,6 +67,7 @@ from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from . import wire
 from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
+from .frame_log import FrameEntries
 from .supervisor import JOIN_S, CoreStartError, CoreSupervisor
 from .transport import CoreTransport
 from .wire import CALL_SHUTDOWN, CoreAddresses, CoreInfo
@@ -77,10 +78,18 @@ _WARMUP_S = 120.0  # a restarted core's warm-up session
 _FIGURES_S = 0.25  # how often an API process's counters may go to the core (when they changed)
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 class MPClient:
     """The EngineCoreClient protocol over ZeroMQ to an engine-core process (see the module docstring)."""
 
-    def __init__(self, config: Config, *, api_index: int = 0, addresses: CoreAddresses | None = None) -> None:
+    def __init__(self, config: Config, *, api_index: int = 0, addresses: CoreAddresses | None = None,
+                 record_tokens: bool = False) -> None:
         self._config = config
         self._api = api_index
         self._timeout_s = config.server.core_call_timeout_s
@@ -95,7 +104,7 @@ class MPClient:
                 input=f"ipc://{self._dir}/input",
                 outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
         self._addresses = addresses
-        self._supervisor = CoreSupervisor(config, addresses) if owner else None
+        self._supervisor = CoreSupervisor(config, addresses, record_tokens=record_tokens) if owner else None
         self._transport = CoreTransport(addresses, api_index, self._timeout_s, core_running=self._core_running,
                                         on_silence=self._on_silence)
         self.info: CoreInfo | None = None
@@ -350,6 +359,18 @@ class MPClient:
             failure = self._core_failure or "the engine core is not running"
         assert self._last_stats is not None  # launch() took one
         return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
+
+    def token_frames(self, session_ids: list[str]) -> FrameEntries:
+        """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens).
+        From another thread than the event loop's, the call runs on the loop: one socket, one user."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _on_loop(loop):
+            future = asyncio.run_coroutine_threadsafe(self._transport.acall(wire.CALL_TOKEN_LOG, session_ids), loop)
+            reply = future.result(self._timeout_s + 1.0)  # acall gives up at the timeout itself
+        else:
+            reply = self._transport.call(wire.CALL_TOKEN_LOG, session_ids)
+        _, entries = reply
+        return {session_id: (frames, reason) for session_id, frames, reason in entries}
 
     def _stats_call(self) -> EngineCoreStats:
         _, values, figures = self._transport.call(wire.CALL_STATS)

@@ -9,6 +9,9 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
     [CALL_SUBMIT, seq, api, request...]    answered: [seq, OK] or [seq, FULL|INVALID|UNAVAILABLE, message, extra]
     [CALL_STATS, seq]                      answered: [seq, OK, stats..., [[api, figures], ...]]
     [CALL_SHUTDOWN, seq]                   answered: [seq, OK]; the core then stops
+    [CALL_TOKEN_LOG, seq, [session_id, ...]]
+                                           answered: [seq, OK, [[session_id, frames, finish_reason], ...]]
+                                           (a core started with record_tokens; otherwise an empty list)
     [NOTES, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
                                            not answered, batched per loop pass
     [FIGURES, api, {request and gateway counters}]   not answered: an API process's own counters, for the
@@ -42,6 +45,7 @@ CALL_SHUTDOWN = 4
 FIGURES = 5
 API_GONE = 6
 LOOP_LAG = 7
+CALL_TOKEN_LOG = 9
 ENGINE_DEAD = 8  # an output entry no session owns (session ids are strings)
 
 OK = 0
