@@ -16,8 +16,20 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
   fi
 fi
 .venv/bin/python -m ruff check .
-.venv/bin/python -m pytest "$@"
-if [ "$#" -eq 0 ]; then
+# No arguments: the CI lane, everything but the `leak` marker (thousands of requests, for a quiet machine).
+# --all: every marker (slow, soak, leak, ray, browser). Anything else goes to pytest as is.
+if [ "${1:-}" = "--all" ]; then
+  shift
+  .venv/bin/python -m pytest "$@"
+  lane=all
+elif [ "$#" -eq 0 ]; then
+  .venv/bin/python -m pytest -m "not leak"
+  lane=ci
+else
+  .venv/bin/python -m pytest "$@"
+  lane=custom
+fi
+if [ "$lane" != custom ]; then
   # The gateway tests again with the engine core in the server's process (server.engine_process: false, the
   # embedding mode), with contexts and an unpaced engine among them; the pass above ran them split.
   ORPHEUS_ENGINE_PROCESS=0 .venv/bin/python -m pytest tests/test_gateway_e2e.py tests/test_gateway_limits.py \
