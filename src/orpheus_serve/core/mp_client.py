@@ -361,19 +361,21 @@ class MPClient:
         return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
 
     def token_frames(self, session_ids: list[str]) -> FrameEntries:
-        """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens).
-        From another thread than the event loop's, the call runs on the loop: one socket, one user."""
-        loop = self._loop
-        if loop is not None and loop.is_running() and not _on_loop(loop):
-            future = asyncio.run_coroutine_threadsafe(self._transport.acall(wire.CALL_TOKEN_LOG, session_ids), loop)
-            reply = future.result(self._timeout_s + 1.0)  # acall gives up at the timeout itself
-        else:
-            reply = self._transport.call(wire.CALL_TOKEN_LOG, session_ids)
-        _, entries = reply
+        """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens)."""
+        _, entries = self._call(wire.CALL_TOKEN_LOG, session_ids)
         return {session_id: (frames, reason) for session_id, frames, reason in entries}
 
+    def _call(self, kind: int, *args: Any) -> list[Any]:
+        """A blocking call to the core from any thread. From a thread other than the running event loop's
+        (a test, a tool reading stats), it runs on the loop: the call socket has one user."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _on_loop(loop):
+            future = asyncio.run_coroutine_threadsafe(self._transport.acall(kind, *args), loop)
+            return future.result(self._timeout_s + 1.0)  # acall gives up at the timeout itself
+        return self._transport.call(kind, *args)
+
     def _stats_call(self) -> EngineCoreStats:
-        _, values, figures = self._transport.call(wire.CALL_STATS)
+        _, values, figures = self._call(wire.CALL_STATS)
         self.api_figures = dict(figures)
         stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
         if stats.engine_failure is not None:
