@@ -153,9 +153,8 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
 
 def test_more_than_one_api_process_needs_the_engine_core_process() -> None:
     with pytest.raises(ConfigError, match=r"server.*api_processes > 1 needs server\.engine_process: true"):
-        load_config(overrides={"server.api_processes": 2}, env={})
-    assert load_config(overrides={"server.engine_process": True, "server.api_processes": 2},
-                       env={}).server.api_processes == 2
+        load_config(overrides={"server.engine_process": False, "server.api_processes": 2}, env={})
+    assert load_config(overrides={"server.api_processes": 2}, env={}).server.api_processes == 2  # split by default
 
 
 def _core_pid(server: Any) -> int:

@@ -134,6 +134,7 @@ class EngineCoreClient(Protocol):
     def release(self, session_id: str) -> None: ...
     def open_sessions(self) -> list[str]: ...
     def stats(self) -> EngineCoreStats: ...
+    def recent_stats(self) -> EngineCoreStats: ...  # never waits on the core: the loop's hot paths
 
 
 def audible_lookahead(decoder: StreamingDecoder) -> int:
@@ -318,6 +319,9 @@ class InprocClient:
 
     def stats(self) -> EngineCoreStats:
         return self._runtime.stats()
+
+    def recent_stats(self) -> EngineCoreStats:
+        return self._runtime.stats()  # in this process: current, and no wait
 
     # ------------------------------------------- from the engine core and codec threads
 

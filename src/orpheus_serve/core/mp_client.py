@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 _WARMUP_S = 120.0  # a restarted core's warm-up session
 _FIGURES_S = 0.25  # how often an API process's counters may go to the core (when they changed)
+_RECENT_STATS_S = 0.1  # how often the loop's own copy of the core's stats is refreshed (recent_stats)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -129,6 +130,7 @@ class MPClient:
         self.api_figures: dict[int, dict[str, Any]] = {}
         self._figures_sent: dict[str, Any] | None = None
         self._figures_task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
         # (An attached client) readable once the core process has exited (Linux pidfd): a call in flight gives
         # up at once instead of at its timeout, before API process 0's notice arrives.
         self._core_fd: int | None = None
@@ -214,8 +216,23 @@ class MPClient:
         self._reader.add_done_callback(self._reader_done)
         if self.figures_source is not None:
             self._figures_task = loop.create_task(self._send_figures(), name="api-figures")
+        self._stats_task = loop.create_task(self._refresh_stats(), name="core-stats")
         if self._supervisor is not None:
             self._watch()
+
+    async def _refresh_stats(self) -> None:
+        """Keeps `recent_stats()` within _RECENT_STATS_S of the core's, without ever blocking the loop."""
+        while True:
+            await asyncio.sleep(_RECENT_STATS_S)
+            if not self._transport.up:
+                continue  # down: recent_stats() says so from the last snapshot
+            try:
+                _, values, figures = await self._transport.acall(wire.CALL_STATS)
+            except ServiceUnavailableError as exc:
+                # The core's death or silence is handled where it is noticed (_core_lost, kill_silent).
+                log.debug("no stats from the engine core this time: %s", exc)
+                continue
+            self._take_stats(values, figures)
 
     async def _send_figures(self) -> None:
         """This API process's counters to the core, when they changed (at most every _FIGURES_S)."""
@@ -263,6 +280,8 @@ class MPClient:
             self._restart_task.cancel()
         if self._figures_task is not None:
             self._figures_task.cancel()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._supervisor is None:  # the core is API process 0's; it stops it once every API process has drained
             self._transport.flush_notes()
             self._transport.up = self._serving = False
@@ -374,12 +393,25 @@ class MPClient:
             return future.result(self._timeout_s + 1.0)  # acall gives up at the timeout itself
         return self._transport.call(kind, *args)
 
+    def recent_stats(self) -> EngineCoreStats:
+        """The core's snapshot as of at most _RECENT_STATS_S ago (while up), never waiting for the core: for
+        the event loop's per-request checks (admission, /ready). `stats()` asks the core now."""
+        assert self._last_stats is not None  # launch() took one
+        if self._transport.up:
+            return self._last_stats
+        failure = self._core_failure or "the engine core is not running"
+        return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
+
     def _stats_call(self) -> EngineCoreStats:
         _, values, figures = self._call(wire.CALL_STATS)
+        return self._take_stats(values, figures)
+
+    def _take_stats(self, values: list[Any], figures: list[Any]) -> EngineCoreStats:
         self.api_figures = dict(figures)
         stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
         if stats.engine_failure is not None:
             self._engine_failure = stats.engine_failure
+        self._last_stats = stats
         return stats
 
     # ------------------------------------------------------------ outputs and supervision
