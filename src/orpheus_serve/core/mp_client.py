@@ -79,13 +79,6 @@ _FIGURES_S = 0.25  # how often an API process's counters may go to the core (whe
 _RECENT_STATS_S = 0.1  # how often the loop's own copy of the core's stats is refreshed (recent_stats)
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
 class MPClient:
     """The EngineCoreClient protocol over ZeroMQ to an engine-core process (see the module docstring)."""
 
@@ -145,7 +138,7 @@ class MPClient:
         client._transport.open_calls()
         client._transport.up = client._serving = True
         try:
-            client._last_stats = client._stats_call()
+            client._take_stats(*client._transport.call_from_any_thread(wire.CALL_STATS)[1:])
         except BaseException:
             client._close_transport()
             raise
@@ -169,7 +162,7 @@ class MPClient:
             raise
         self._transport.open_calls()
         self._transport.up = self._serving = True
-        self._last_stats = self._stats_call()
+        self._take_stats(*self._transport.call_from_any_thread(wire.CALL_STATS)[1:])
         return self.info
 
     @property
@@ -216,23 +209,10 @@ class MPClient:
         self._reader.add_done_callback(self._reader_done)
         if self.figures_source is not None:
             self._figures_task = loop.create_task(self._send_figures(), name="api-figures")
-        self._stats_task = loop.create_task(self._refresh_stats(), name="core-stats")
+        self._stats_task = loop.create_task(self._transport.poll(  # keeps recent_stats() recent
+            wire.CALL_STATS, _RECENT_STATS_S, lambda reply: self._take_stats(*reply[1:])), name="core-stats")
         if self._supervisor is not None:
             self._watch()
-
-    async def _refresh_stats(self) -> None:
-        """Keeps `recent_stats()` within _RECENT_STATS_S of the core's, without ever blocking the loop."""
-        while True:
-            await asyncio.sleep(_RECENT_STATS_S)
-            if not self._transport.up:
-                continue  # down: recent_stats() says so from the last snapshot
-            try:
-                _, values, figures = await self._transport.acall(wire.CALL_STATS)
-            except ServiceUnavailableError as exc:
-                # The core's death or silence is handled where it is noticed (_core_lost, kill_silent).
-                log.debug("no stats from the engine core this time: %s", exc)
-                continue
-            self._take_stats(values, figures)
 
     async def _send_figures(self) -> None:
         """This API process's counters to the core, when they changed (at most every _FIGURES_S)."""
@@ -278,10 +258,9 @@ class MPClient:
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
-        if self._figures_task is not None:
-            self._figures_task.cancel()
-        if self._stats_task is not None:
-            self._stats_task.cancel()
+        for task in (self._figures_task, self._stats_task):
+            if task is not None:
+                task.cancel()
         if self._supervisor is None:  # the core is API process 0's; it stops it once every API process has drained
             self._transport.flush_notes()
             self._transport.up = self._serving = False
@@ -367,52 +346,32 @@ class MPClient:
         return list(self._mailboxes)
 
     def stats(self) -> EngineCoreStats:
-        """The core's snapshot; while it is down, the last one with the engine marked not alive."""
-        if self._transport.up:
-            try:
-                self._last_stats = self._stats_call()
-                return self._last_stats
-            except ServiceUnavailableError as exc:
-                failure = str(exc)
-        else:
-            failure = self._core_failure or "the engine core is not running"
+        try:
+            if not self._transport.up:
+                return self.recent_stats()
+            return self._take_stats(*self._transport.call_from_any_thread(wire.CALL_STATS)[1:])
+        except ServiceUnavailableError as exc:
+            return self.recent_stats(str(exc))
+
+    def recent_stats(self, failure: str | None = None) -> EngineCoreStats:
+        """The core's snapshot as of at most _RECENT_STATS_S ago, never waiting for it (the loop's per-request
+        checks; stats() asks now). While it is down: the last one with the engine marked not alive."""
         assert self._last_stats is not None  # launch() took one
-        return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
+        if self._transport.up and failure is None:
+            return self._last_stats
+        return replace(self._last_stats, engine_alive=False, core_restarts=self.restarts,
+                       engine_failure=failure or self._core_failure or "the engine core is not running")
 
     def token_frames(self, session_ids: list[str]) -> FrameEntries:
         """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens)."""
-        _, entries = self._call(wire.CALL_TOKEN_LOG, session_ids)
-        return {session_id: (frames, reason) for session_id, frames, reason in entries}
-
-    def _call(self, kind: int, *args: Any) -> list[Any]:
-        """A blocking call to the core from any thread. From a thread other than the running event loop's
-        (a test, a tool reading stats), it runs on the loop: the call socket has one user."""
-        loop = self._loop
-        if loop is not None and loop.is_running() and not _on_loop(loop):
-            future = asyncio.run_coroutine_threadsafe(self._transport.acall(kind, *args), loop)
-            return future.result(self._timeout_s + 1.0)  # acall gives up at the timeout itself
-        return self._transport.call(kind, *args)
-
-    def recent_stats(self) -> EngineCoreStats:
-        """The core's snapshot as of at most _RECENT_STATS_S ago (while up), never waiting for the core: for
-        the event loop's per-request checks (admission, /ready). `stats()` asks the core now."""
-        assert self._last_stats is not None  # launch() took one
-        if self._transport.up:
-            return self._last_stats
-        failure = self._core_failure or "the engine core is not running"
-        return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
-
-    def _stats_call(self) -> EngineCoreStats:
-        _, values, figures = self._call(wire.CALL_STATS)
-        return self._take_stats(values, figures)
+        return {sid: (frames, reason) for sid, frames, reason in
+                self._transport.call_from_any_thread(wire.CALL_TOKEN_LOG, session_ids)[1]}
 
     def _take_stats(self, values: list[Any], figures: list[Any]) -> EngineCoreStats:
         self.api_figures = dict(figures)
-        stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
-        if stats.engine_failure is not None:
-            self._engine_failure = stats.engine_failure
-        self._last_stats = stats
-        return stats
+        self._last_stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
+        self._engine_failure = self._last_stats.engine_failure or self._engine_failure
+        return self._last_stats
 
     # ------------------------------------------------------------ outputs and supervision
 

@@ -14,6 +14,7 @@ the core still runs, and what to do with one that does not answer, are its owner
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -142,6 +143,25 @@ class CoreTransport:
             raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
         return self._seq
 
+    def call_from_any_thread(self, kind: int, *args: Any) -> list[Any]:
+        """`call` from any thread. From one other than the running event loop's (a test, a tool reading
+        stats), it runs on the loop as `acall`: the call socket has one user."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _on_loop(loop):
+            future = asyncio.run_coroutine_threadsafe(self.acall(kind, *args), loop)
+            return future.result(self.timeout_s + 1.0)  # acall gives up at the timeout itself
+        return self.call(kind, *args)
+
+    async def poll(self, kind: int, period_s: float, take: Callable[[list[Any]], object]) -> None:
+        """Call `kind` every `period_s` while the core is up and hand each answer to `take`, never blocking the
+        loop. A call without an answer is skipped: the core's death or silence is dealt with where it is
+        noticed (MPClient's _core_lost, the supervisor's kill_silent)."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self.up:
+                with contextlib.suppress(ServiceUnavailableError):
+                    take(await self.acall(kind))
+
     async def acall(self, kind: int, *args: Any) -> list[Any]:
         """`call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
         assert self._calls is not None and self._loop is not None
@@ -232,3 +252,10 @@ class CoreTransport:
         self._delivered = {}
         self._cancels = []
         self._releases = []
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
