@@ -196,7 +196,7 @@ class MPClient:
 
     @property
     def engine_alive(self) -> bool:
-        return self._serving and self._engine_failure is None
+        return self._serving and self._engine_failure is None and self._transport.answering()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._supervisor is not None and self._supervisor.process is None:

@@ -44,6 +44,7 @@ class CoreTransport:
         self._pull: zmq.asyncio.Socket | None = None
         self._seq = 0
         self._replies: dict[int, asyncio.Future[list[Any]]] = {}  # calls awaiting the core's answer, by seq
+        self.polled_s = time.monotonic()  # when `poll` last had an answer
         self._calls_fd: int | None = None  # the call socket's descriptor, watched by the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         # Notes for the core, sent once per loop pass: delivered samples (summed per session), cancels, releases.
@@ -83,7 +84,13 @@ class CoreTransport:
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.polled_s = time.monotonic()  # the polls start now
         self._watch_calls()
+
+    def answering(self) -> bool:
+        """False once `poll` has had no answer for timeout_s: a silent core is not served from (ARCHITECTURE §9),
+        as a call that waited that long would have found. Before the loop runs nothing polls: True."""
+        return self._loop is None or time.monotonic() - self.polled_s <= self.timeout_s
 
     def _watch_calls(self) -> None:
         if self._loop is not None and self._calls is not None and self._calls_fd is None:
@@ -155,12 +162,15 @@ class CoreTransport:
     async def poll(self, kind: int, period_s: float, take: Callable[[list[Any]], object]) -> None:
         """Call `kind` every `period_s` while the core is up and hand each answer to `take`, never blocking the
         loop. A call without an answer is skipped: the core's death or silence is dealt with where it is
-        noticed (MPClient's _core_lost, the supervisor's kill_silent)."""
+        noticed (MPClient's _core_lost, the supervisor's kill_silent); `polled_s` says when one last came."""
         while True:
             await asyncio.sleep(period_s)
-            if self.up:
-                with contextlib.suppress(ServiceUnavailableError):
-                    take(await self.acall(kind))
+            if not self.up:  # down is reported otherwise (MPClient); silence counts from when it is up
+                self.polled_s = time.monotonic()
+                continue
+            with contextlib.suppress(ServiceUnavailableError):
+                take(await self.acall(kind))
+                self.polled_s = time.monotonic()
 
     async def acall(self, kind: int, *args: Any) -> list[Any]:
         """`call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
