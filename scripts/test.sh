@@ -27,11 +27,23 @@ if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   fi
 fi
 .venv/bin/python -m ruff check .
-.venv/bin/python -m pytest "$@"
-if [ "$#" -eq 0 ]; then
-  # The gateway tests again against servers whose engine core runs in a process of its own
-  # (server.engine_process; about two minutes), with contexts and an unpaced engine among them.
-  ORPHEUS_ENGINE_PROCESS=1 .venv/bin/python -m pytest tests/test_gateway_e2e.py tests/test_gateway_limits.py \
+# No arguments: the CI lane, everything but the `leak` marker (thousands of requests, for a quiet machine).
+# --all: every marker (slow, soak, leak, ray, browser). Anything else goes to pytest as is.
+if [ "${1:-}" = "--all" ]; then
+  shift
+  .venv/bin/python -m pytest "$@"
+  lane=all
+elif [ "$#" -eq 0 ]; then
+  .venv/bin/python -m pytest -m "not leak"
+  lane=ci
+else
+  .venv/bin/python -m pytest "$@"
+  lane=custom
+fi
+if [ "$lane" != custom ]; then
+  # The gateway tests again with the engine core in the server's process (server.engine_process: false, the
+  # embedding mode), with contexts and an unpaced engine among them; the pass above ran them split.
+  ORPHEUS_ENGINE_PROCESS=0 .venv/bin/python -m pytest tests/test_gateway_e2e.py tests/test_gateway_limits.py \
     tests/test_gateway_units.py tests/test_slow_readers.py tests/test_ws_contexts.py tests/test_cartesia_fuzz.py \
     tests/test_elevenlabs_fuzz.py tests/test_elevenlabs_hostile.py
 fi

@@ -84,7 +84,7 @@ def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, An
     starts with `first_text`."""
     log = server.server.service.token_log
     assert log is not None
-    entries = dict(log)
+    entries = log.snapshot()
     request_ids = [key.rsplit("-", 1)[0] for key, e in entries.items()
                    if key.endswith("-0") and e["text"].startswith(first_text)]
     if not request_ids:
@@ -112,10 +112,12 @@ async def stop_steps(server: ServerThread, first_text: str, before: tuple[int, i
     closed_at: int | None = None
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
+        # The entries first: a session the core has finished was cancelled by a stream the gateway had
+        # closed before (with the core in a process of its own, it may finish between two reads here).
+        entries = context_sessions(server, first_text)
         now = steps(server)
         if closed_at is None and cancelled_streams(server, protocol) > cancelled:
             closed_at = now
-        entries = context_sessions(server, first_text)
         if entries and all(e["finish_reason"] is not None for e in entries):
             assert closed_at is not None, "the sessions finished while the stream stayed open"
             return now - since, now - closed_at

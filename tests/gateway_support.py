@@ -14,10 +14,11 @@ import httpx
 from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.config import Config, load_config
 
-# ORPHEUS_ENGINE_PROCESS=1: every test server built from config runs its engine core in a process of its own
-# (server.engine_process), so the same tests check the split; servers built around a service object a test
-# made itself (fault-injecting engines, token logs) stay in one process.
-ENGINE_PROCESS = os.environ.get("ORPHEUS_ENGINE_PROCESS", "") == "1"
+# Every test server built from config runs as shipped: its engine core in a process of its own
+# (server.engine_process), token logs included. ORPHEUS_ENGINE_PROCESS=0 runs the same tests with the core in
+# the server's process (scripts/test.sh's in-process pass); servers built around a service object a test made
+# itself (fault-injecting engines) are in one process either way.
+ENGINE_PROCESS = os.environ.get("ORPHEUS_ENGINE_PROCESS", "1") != "0"
 
 # Every gateway test server: loopback only, ephemeral ports, short drain.
 _SERVER = {

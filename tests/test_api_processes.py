@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,14 @@ from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.request.types import PROTOCOLS
 from tests.gateway_support import metric_values, wait_for
-from tests.test_engine_process import _grpc_until_error, _grpc_whole, _sse_until_error, _ws_until_error, _ws_whole
+from tests.test_engine_process import (
+    WholeStream,
+    _grpc_until_error,
+    _grpc_whole,
+    _sse_until_error,
+    _ws_until_error,
+    _ws_whole,
+)
 
 LONG = "This stream keeps talking for a good while, long enough to be cut off in the middle."
 
@@ -194,17 +202,19 @@ def test_two_api_processes_share_the_ports_stats_core_deaths_and_a_drain(tiny_or
         core_pid = snapshot["process"]["engine_core_pid"]
 
         # SIGTERM to API process 0 alone: both processes drain their streams to the end, then all exit.
-        async def streams_across_sigterm() -> list[tuple[int, str]]:
+        async def streams_across_sigterm() -> list[WholeStream]:
             started = [asyncio.Event() for _ in range(6)]
             streams = asyncio.gather(*(_ws_whole(launched.url, started[i]) for i in range(3)),
                                      *(_grpc_whole(launched.grpc_addr, started[i]) for i in range(3, 6)))
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
             assert launched.process is not None
+            signalled_at.append(time.perf_counter())
             launched.process.send_signal(signal.SIGTERM)
             return list(await asyncio.wait_for(streams, 30))
 
-        for chunks, finish_reason in asyncio.run(streams_across_sigterm()):
-            assert chunks > 5 and finish_reason in ("stop", "length")
+        signalled_at: list[float] = []
+        for stream in asyncio.run(streams_across_sigterm()):
+            stream.check_whole_across(signalled_at[0])
         assert launched.process.wait(30) == 0
         for pid in (pids[1], core_pid):
             with pytest.raises(ProcessLookupError):

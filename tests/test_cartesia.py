@@ -305,12 +305,19 @@ def test_disconnect_cancels_every_context_of_the_socket(server: ServerThread) ->
 
 
 def test_cartesia_is_counted_in_stats_and_metrics(server: ServerThread) -> None:
+    """Exact counts on the shared server: the other tests' requests are in the figures before and after."""
+    ok_metric = '{protocol="cartesia",status="ok"}'
+
+    def metric_ok() -> float:
+        return metric_values(httpx.get(f"{server.base_url}/metrics").text, "orpheus:requests_total").get(ok_metric, 0)
+
+    ok_before = stats(server)["gateway"]["requests"].get("cartesia", {}).get("ok", 0)
+    metric_before = metric_ok()
     asyncio.run(one_context(server, "Counted."))
-    snapshot = stats(server)
+    snapshot = settled_stats(lambda: stats(server))
     assert set(PROTOCOLS) <= set(snapshot["gateway"]["requests"]) and "cartesia" in PROTOCOLS
-    assert snapshot["gateway"]["requests"]["cartesia"]["ok"] >= 1
-    metrics = httpx.get(f"{server.base_url}/metrics").text
-    assert metric_values(metrics, "orpheus:requests_total").get('{protocol="cartesia",status="ok"}', 0) >= 1
+    assert snapshot["gateway"]["requests"]["cartesia"]["ok"] - ok_before == 1
+    assert metric_ok() - metric_before == 1
 
 
 @pytest.fixture(scope="module")

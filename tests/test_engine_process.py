@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -152,9 +153,8 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
 
 def test_more_than_one_api_process_needs_the_engine_core_process() -> None:
     with pytest.raises(ConfigError, match=r"server.*api_processes > 1 needs server\.engine_process: true"):
-        load_config(overrides={"server.api_processes": 2}, env={})
-    assert load_config(overrides={"server.engine_process": True, "server.api_processes": 2},
-                       env={}).server.api_processes == 2
+        load_config(overrides={"server.engine_process": False, "server.api_processes": 2}, env={})
+    assert load_config(overrides={"server.api_processes": 2}, env={}).server.api_processes == 2  # split by default
 
 
 def _core_pid(server: Any) -> int:
@@ -362,17 +362,19 @@ def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tin
         assert launched.process is not None
         core_pid = launched.stats()["process"]["engine_core_pid"]
 
-        async def streams_across_sigterm() -> list[api_client.ClientResult]:
+        async def streams_across_sigterm() -> list[WholeStream]:
             started = [asyncio.Event(), asyncio.Event()]
             ws = asyncio.create_task(_ws_whole(launched.url, started[0]))
             grpc_call = asyncio.create_task(_grpc_whole(launched.grpc_addr, started[1]))
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            signalled_at.append(time.perf_counter())
             for pid in (launched.process.pid, core_pid):
                 os.kill(pid, signal.SIGTERM)
             return list(await asyncio.wait_for(asyncio.gather(ws, grpc_call), 30))
 
-        for chunks, finish_reason in asyncio.run(streams_across_sigterm()):
-            assert chunks > 5 and finish_reason in ("stop", "length")
+        signalled_at: list[float] = []
+        for stream in asyncio.run(streams_across_sigterm()):
+            stream.check_whole_across(signalled_at[0])
         assert launched.process.wait(30) == 0
         with pytest.raises(ProcessLookupError):
             os.kill(core_pid, 0)  # gone (reaped by the server before it exited)
@@ -380,37 +382,57 @@ def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tin
         launched.stop()
 
 
-async def _ws_whole(base_url: str, first_audio: asyncio.Event) -> tuple[int, str]:
-    """(audio messages, finish reason) of a WebSocket request that must end normally."""
-    chunks = 0
+@dataclass
+class WholeStream:
+    """What a client of a stream that must end normally received: audio bytes, when each audio message
+    arrived (perf_counter), the samples the server says it generated, and the finish reason."""
+
+    audio_bytes: int = 0
+    arrivals: list[float] = field(default_factory=list)
+    samples: int = 0
+    finish_reason: str = ""
+
+    def check_whole_across(self, signalled_at: float) -> None:
+        """Audio before and after the signal, every generated sample received, a normal end (the checks of
+        test_gateway_limits.py's one-process drain)."""
+        assert self.finish_reason in ("stop", "length"), self.finish_reason
+        assert self.audio_bytes == 2 * self.samples > 2 * 2048 * 20, (self.audio_bytes, self.samples)
+        assert self.arrivals[0] < signalled_at < self.arrivals[-1]
+
+
+async def _ws_whole(base_url: str, first_audio: asyncio.Event) -> WholeStream:
+    """A WebSocket request that must end normally."""
+    stream = WholeStream()
     async with ws_connect(api_client.stream_url(base_url), max_size=None) as ws:
         await ws.send(json.dumps({"text": "Finish me.", "response_format": "pcm", "max_tokens": 350, "seed": 1}))
         async for frame in ws:
             if isinstance(frame, bytes):
-                chunks += 1
+                stream.arrivals.append(time.perf_counter())
+                stream.audio_bytes += len(frame)
                 first_audio.set()
                 continue
             reply = json.loads(frame)
             assert "error" not in reply, reply
             if reply.get("done"):
-                return chunks, reply["metrics"]["finish_reason"]
+                stream.samples, stream.finish_reason = reply["metrics"]["samples"], reply["metrics"]["finish_reason"]
+                return stream
     raise AssertionError("the WebSocket closed before the request finished")
 
 
-async def _grpc_whole(address: str, first_audio: asyncio.Event) -> tuple[int, str]:
-    """(audio messages, finish reason) of a gRPC stream that must end normally."""
-    chunks = 0
-    finish_reason = ""
+async def _grpc_whole(address: str, first_audio: asyncio.Event) -> WholeStream:
+    """A gRPC stream that must end normally."""
+    stream = WholeStream()
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.SynthesizerStub(channel).Synthesize(
             pb.SynthesizeRequest(text="Me too.", sampling=pb.SamplingOptions(max_tokens=350, seed=2)), timeout=60)
         async for response in call:
             if response.HasField("audio"):
-                chunks += 1
+                stream.arrivals.append(time.perf_counter())
+                stream.audio_bytes += len(response.audio.audio)
                 first_audio.set()
             else:
-                finish_reason = response.metrics.finish_reason
-    return chunks, finish_reason
+                stream.samples, stream.finish_reason = response.metrics.samples, response.metrics.finish_reason
+    return stream
 
 
 def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import schemathesis
 from click.testing import CliRunner
@@ -206,3 +207,32 @@ def test_websocket_still_serves_after_the_fuzz(ws: ClientConnection) -> None:
     ws.send(json.dumps({"text": "Still here.", "request_id": "after-fuzz"}))
     reply = _reply(ws)
     assert reply["done"] is True and reply["request_id"] == "after-fuzz", reply
+
+
+# ------------------------------------------------------------------ valid requests are accepted
+# The oracles above would pass a server that refused too much (any 400 naming a parameter, any error reply).
+# Requests inside every documented range, with speakable text and known voices, must all be served.
+
+VALID_EXAMPLES = 40
+
+
+@given(message=valid_requests)
+@settings(max_examples=VALID_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_websocket_serves_every_valid_request(ws: ClientConnection, message: dict[str, Any]) -> None:
+    ws.send(json.dumps(message))
+    reply = _reply(ws)
+    assert reply.get("done") is True, (message, reply)
+    assert reply["metrics"]["finish_reason"] in ("stop", "length"), reply
+
+
+valid_rest_bodies = valid_requests.map(
+    lambda body: {("input" if key == "text" else key): value for key, value in body.items()
+                  if key not in ("request_id", "sample_rate")})
+
+
+@given(body=valid_rest_bodies)
+@settings(max_examples=VALID_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_rest_serves_every_valid_request(server: ServerThread, body: dict[str, Any]) -> None:
+    response = httpx.post(f"{server.base_url}/v1/audio/speech", json=body, headers=auth_header(server), timeout=30)
+    assert response.status_code == 200, (body, response.status_code, response.text[:300])
+    assert response.content, body

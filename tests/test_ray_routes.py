@@ -35,7 +35,8 @@ def route_table(app: object) -> set[tuple[str, str]]:
 
 
 def test_the_ray_replica_serves_exactly_the_servers_routes(tiny_orpheus: Path) -> None:
-    config = sim_config(tiny_orpheus)
+    # Routes only: the service need not run, so its core stays in this process (no core process to spawn).
+    config = sim_config(tiny_orpheus, **{"server.engine_process": False})
     service = build_service(config)
     server = OrpheusServer(config, service)
     # The replica's own app factory, on a stand-in for the replica (Serve builds the real one in a replica

@@ -18,7 +18,10 @@ from orpheus_serve.service.service import TTSService
 
 
 def make_config(tiny_models: Path, **overrides: object) -> Config:
+    """A service embedded in the test's process: the engine core runs in-process (server.engine_process
+    off, explicitly: the shipped default is a core process of its own)."""
     base = {
+        "server.engine_process": False,
         "engine.model_path": str(tiny_models / "tiny-orpheus"),
         "codec.path": str(tiny_models / "tiny-snac"),
         "codec.noise": False,
@@ -60,10 +63,10 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
             alone = {}
             for i in (0, 5, 11):
                 pcm, m = await collect(service, greedy(TEXTS[i], f"alone-{i}"))
-                alone[i] = (pcm, m, service.token_log[f"alone-{i}-0"]["frames"])
+                alone[i] = (pcm, m, service.token_log.snapshot()[f"alone-{i}-0"]["frames"])
             results = await asyncio.gather(*(collect(service, greedy(t, f"batch-{i}")) for i, t in enumerate(TEXTS)))
             for i, (pcm, m) in enumerate(results):
-                frames = service.token_log[f"batch-{i}-0"]["frames"]
+                frames = service.token_log.snapshot()[f"batch-{i}-0"]["frames"]
                 assert len(pcm) // 2 == token_format.SAMPLES_PER_FRAME * m.frames == token_format.SAMPLES_PER_FRAME * len(frames)
                 assert m.ttfb_s is not None and m.audio_seconds > 0
                 if i in alone:
@@ -99,7 +102,8 @@ def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: 
             req = SynthesisRequest(text=text, temperature=0.0, max_tokens=70, request_id="content")
             pcm, metrics = await collect(service, req)
             assert service.token_log is not None
-            return pcm, metrics, [service.token_log[f"content-{k}"]["frames"] for k in range(metrics.text_chunks)]
+            log = service.token_log.snapshot()
+            return pcm, metrics, [log[f"content-{k}"]["frames"] for k in range(metrics.text_chunks)]
         finally:
             await service.shutdown(grace_s=0)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from riva.client.proto import riva_tts_pb2 as rtts
 from riva.client.proto import riva_tts_pb2_grpc as rtts_grpc
@@ -99,6 +100,13 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def _server_rss_mb(server: LaunchedServer) -> float:
+    """The server's RSS: its API process and, split (the default), its engine-core process."""
+    assert server.process is not None
+    core_pid = server.stats()["process"].get("engine_core_pid")
+    return _rss_mb(server.process.pid) + (_rss_mb(core_pid) if core_pid else 0.0)
 
 
 # ------------------------------------------------------------------ one request per protocol
@@ -343,7 +351,7 @@ def _soak(server: LaunchedServer, count: int, seed: int, warmup: int) -> dict[st
     asyncio.run(warm.run(make_plans(warmup, seed + 1)))
     assert not warm.problems, warm.problems[:5]
     before = _settled(server)
-    rss_before = _rss_mb(pid)
+    rss_before = _server_rss_mb(server)
 
     plans = make_plans(count, seed)
     driver = Driver(server)
@@ -365,7 +373,7 @@ def _soak(server: LaunchedServer, count: int, seed: int, warmup: int) -> dict[st
     asyncio.run(run())
     wall_s = time.perf_counter() - started
     after = _settled(server)
-    rss_after = _rss_mb(pid)
+    rss_after = _server_rss_mb(server)
     assert not driver.problems, "\n".join(driver.problems[:20])
 
     # Nothing left behind: slots, sessions, codec work, decoder state, connections.
@@ -440,3 +448,44 @@ def test_soak_with_the_stateful_decoder_releases_every_session(tiny_models: Path
         figures = _soak(server, STATEFUL_REQUESTS, seed=34, warmup=9)
         assert server.stats()["codec"]["decoder_sessions"] == 0
         assert figures["scheduler"]["cancelled"] > 0
+
+
+# ------------------------------------------------------------------ leak slope (scripts/test.sh --all)
+# The RSS check above allows tens of kilobytes a request at CI size. This one runs thousands of requests in
+# batches and fits a line through the server's RSS (API and engine-core processes) after each settled
+# batch: a leak of a kilobyte a request shows as a slope, whatever the allocator's one-off growth.
+
+LEAK_REQUESTS = int(os.environ.get("ORPHEUS_LEAK_REQUESTS", "2000"))
+LEAK_BATCHES = 8
+LEAK_KIB_PER_REQUEST = 1.0
+
+
+def _leak_slope_kib(server: LaunchedServer, total: int, seed: int) -> tuple[float, list[tuple[int, float]]]:
+    """KiB of RSS per request over `total` requests after a warm-up batch, and the (requests, MB) points."""
+    batch = max(1, total // LEAK_BATCHES)
+    warm = Driver(server)
+    asyncio.run(warm.run(make_plans(batch, seed - 1)))
+    assert not warm.problems, warm.problems[:5]
+    _settled(server)
+    points = [(0, _server_rss_mb(server))]
+    for k in range(LEAK_BATCHES):
+        driver = Driver(server)
+        asyncio.run(driver.run(make_plans(batch, seed + k)))
+        assert not driver.problems, driver.problems[:5]
+        after = _settled(server)
+        assert after["kv_cache"]["used_slots"] == 0 and not after["codec"]["decoder_sessions"], after["codec"]
+        points.append(((k + 1) * batch, _server_rss_mb(server)))
+    x, y = np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points])
+    slope_mb_per_request = float(np.polyfit(x, y, 1)[0])
+    return slope_mb_per_request * 1024, points
+
+
+@pytest.mark.leak
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("decoder", ["sim", "stateful"])
+def test_no_memory_grows_with_the_number_of_requests(tiny_models: Path, tmp_path: Path, decoder: str) -> None:
+    overrides = [*_overrides(tiny_models, decoder), "scheduler.queue_timeout_s=55"]
+    with LaunchedServer(overrides, log_path=tmp_path / "server.log") as server:
+        slope_kib, points = _leak_slope_kib(server, LEAK_REQUESTS, seed=56)
+    print(f"\nleak {decoder}: {slope_kib:.2f} KiB/request over {points[-1][0]} requests; RSS MB {points}")
+    assert slope_kib < LEAK_KIB_PER_REQUEST, (slope_kib, points)

@@ -126,7 +126,7 @@ def test_cancelling_the_running_context_leaves_the_queued_one_untouched(server: 
     late = [m for m in messages if "error" in m]
     assert len(late) == 1 and late[0]["context_id"] == "a" and "has ended" in late[0]["error"]["message"]
     assert done["context_id"] == "b"
-    log = server.server.service.token_log
+    log = server.server.service.token_log.snapshot()
     assert log[f"{done['metrics']['request_id']}-0"]["frames"] == log[f"{alone_done['metrics']['request_id']}-0"]["frames"]
     assert len(audio) == len(alone_audio)
     diff = np.abs(np.frombuffer(audio, "<i2").astype(np.int32) - np.frombuffer(alone_audio, "<i2").astype(np.int32))

@@ -173,8 +173,9 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     playground: bool = True  # the web page at / and /playground (static files, no internet needed)
     # The engine core (scheduler, engine, codec worker) in a process of its own, fed over ZeroMQ
-    # (core/mp_client.py); false: threads of this process (core.client.InprocClient).
-    engine_process: bool = False
+    # (core/mp_client.py): the production default. false: threads of this process (core.client.InprocClient), for
+    # embedding a service in a program of one's own and for tools that want one process.
+    engine_process: bool = True
     # API processes (HTTP/WebSocket + gRPC, sharing the ports with SO_REUSEPORT) in front of the one engine
     # core (api/process_group.py); more than 1 needs engine_process.
     api_processes: int = Field(1, ge=1, le=64)

@@ -137,6 +137,7 @@ class EngineCoreClient(Protocol):
     def open_sessions(self) -> list[str]: ...
     def stats(self) -> EngineCoreStats: ...
     async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]: ...
+    def recent_stats(self) -> EngineCoreStats: ...  # never waits on the core: the loop's hot paths
 
 
 def audible_lookahead(decoder: StreamingDecoder) -> int:
@@ -344,6 +345,8 @@ class InprocClient:
 
     async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self._runtime.adapters, op, name)  # a load reads the adapter's files
+    def recent_stats(self) -> EngineCoreStats:
+        return self._runtime.stats()  # in this process: current, and no wait
 
     # ------------------------------------------- from the engine core and codec threads
 

@@ -63,11 +63,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..engines.lora import AdapterError
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
 from . import wire
 from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
+from .frame_log import FrameEntries
 from .supervisor import JOIN_S, CoreStartError, CoreSupervisor
 from .transport import CoreTransport
 from .wire import CALL_SHUTDOWN, CoreAddresses, CoreInfo
@@ -76,12 +76,14 @@ log = logging.getLogger(__name__)
 
 _WARMUP_S = 120.0  # a restarted core's warm-up session
 _FIGURES_S = 0.25  # how often an API process's counters may go to the core (when they changed)
+_RECENT_STATS_S = 0.1  # how often the loop's own copy of the core's stats is refreshed (recent_stats)
 
 
 class MPClient:
     """The EngineCoreClient protocol over ZeroMQ to an engine-core process (see the module docstring)."""
 
-    def __init__(self, config: Config, *, api_index: int = 0, addresses: CoreAddresses | None = None) -> None:
+    def __init__(self, config: Config, *, api_index: int = 0, addresses: CoreAddresses | None = None,
+                 record_tokens: bool = False) -> None:
         self._config = config
         self._api = api_index
         self._timeout_s = config.server.core_call_timeout_s
@@ -96,7 +98,7 @@ class MPClient:
                 input=f"ipc://{self._dir}/input",
                 outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
         self._addresses = addresses
-        self._supervisor = CoreSupervisor(config, addresses) if owner else None
+        self._supervisor = CoreSupervisor(config, addresses, record_tokens=record_tokens) if owner else None
         self._transport = CoreTransport(addresses, api_index, self._timeout_s, core_running=self._core_running,
                                         on_silence=self._on_silence)
         self.info: CoreInfo | None = None
@@ -121,8 +123,8 @@ class MPClient:
         self.api_figures: dict[int, dict[str, Any]] = {}
         self._figures_sent: dict[str, Any] | None = None
         self._figures_task: asyncio.Task[None] | None = None
-        # (An attached client) readable once the core process has exited (Linux pidfd): a call in flight gives
-        # up at once instead of at its timeout, before API process 0's notice arrives.
+        self._stats_task: asyncio.Task[None] | None = None
+        # (Attached) readable once the core process has exited (Linux pidfd): a call in flight gives up at once.
         self._core_fd: int | None = None
 
     @classmethod
@@ -135,7 +137,7 @@ class MPClient:
         client._transport.open_calls()
         client._transport.up = client._serving = True
         try:
-            client._last_stats = client._stats_call()
+            client._take_stats(*client._transport.call_from_any_thread(wire.CALL_STATS)[1:])
         except BaseException:
             client._close_transport()
             raise
@@ -159,7 +161,7 @@ class MPClient:
             raise
         self._transport.open_calls()
         self._transport.up = self._serving = True
-        self._last_stats = self._stats_call()
+        self._take_stats(*self._transport.call_from_any_thread(wire.CALL_STATS)[1:])
         return self.info
 
     @property
@@ -193,7 +195,7 @@ class MPClient:
 
     @property
     def engine_alive(self) -> bool:
-        return self._serving and self._engine_failure is None
+        return self._serving and self._engine_failure is None and self._transport.answering()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._supervisor is not None and self._supervisor.process is None:
@@ -206,6 +208,8 @@ class MPClient:
         self._reader.add_done_callback(self._reader_done)
         if self.figures_source is not None:
             self._figures_task = loop.create_task(self._send_figures(), name="api-figures")
+        self._stats_task = loop.create_task(self._transport.poll(  # keeps recent_stats() recent
+            wire.CALL_STATS, _RECENT_STATS_S, lambda reply: self._take_stats(*reply[1:])), name="core-stats")
         if self._supervisor is not None:
             self._watch()
 
@@ -253,8 +257,9 @@ class MPClient:
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
-        if self._figures_task is not None:
-            self._figures_task.cancel()
+        for task in (self._figures_task, self._stats_task):
+            if task is not None:
+                task.cancel()
         if self._supervisor is None:  # the core is API process 0's; it stops it once every API process has drained
             self._transport.flush_notes()
             self._transport.up = self._serving = False
@@ -340,32 +345,33 @@ class MPClient:
         return list(self._mailboxes)
 
     def stats(self) -> EngineCoreStats:
-        """The core's snapshot; while it is down, the last one with the engine marked not alive."""
-        if self._transport.up:
-            try:
-                self._last_stats = self._stats_call()
-                return self._last_stats
-            except ServiceUnavailableError as exc:
-                failure = str(exc)
-        else:
-            failure = self._core_failure or "the engine core is not running"
-        assert self._last_stats is not None  # launch() took one
-        return replace(self._last_stats, engine_alive=False, engine_failure=failure, core_restarts=self.restarts)
+        try:
+            if not self._transport.up:
+                return self.recent_stats()
+            return self._take_stats(*self._transport.call_from_any_thread(wire.CALL_STATS)[1:])
+        except ServiceUnavailableError as exc:
+            return self.recent_stats(str(exc))
 
     async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
-        """The core's custom-voice adapters (engines/lora.adapter_call); AdapterError with the reason."""
-        status, detail = await self._transport.acall(wire.CALL_ADAPTERS, op, name)
-        if status != wire.OK:
-            raise AdapterError(detail)
-        return detail
+        return await self._transport.adapters(op, name)
 
-    def _stats_call(self) -> EngineCoreStats:
-        _, values, figures = self._transport.call(wire.CALL_STATS)
+    def recent_stats(self, failure: str | None = None) -> EngineCoreStats:
+        """The core's snapshot as of at most _RECENT_STATS_S ago, never waiting for it (the loop's per-request
+        checks; stats() asks now). While it is down: the last one with the engine marked not alive."""
+        assert self._last_stats is not None  # launch() took one
+        if self._transport.up and failure is None:
+            return self._last_stats
+        return replace(self._last_stats, engine_alive=False, core_restarts=self.restarts,
+                       engine_failure=failure or self._core_failure or "the engine core is not running")
+
+    def token_frames(self, session_ids: list[str]) -> FrameEntries:
+        return self._transport.token_frames(session_ids)
+
+    def _take_stats(self, values: list[Any], figures: list[Any]) -> EngineCoreStats:
         self.api_figures = dict(figures)
-        stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
-        if stats.engine_failure is not None:
-            self._engine_failure = stats.engine_failure
-        return stats
+        self._last_stats = replace(wire.decode_stats(values), core_pid=self.core_pid, core_restarts=self.restarts)
+        self._engine_failure = self._last_stats.engine_failure or self._engine_failure
+        return self._last_stats
 
     # ------------------------------------------------------------ outputs and supervision
 

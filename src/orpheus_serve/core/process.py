@@ -9,6 +9,7 @@ and the codec worker thread) with ZeroMQ in place of the event loop:
     main thread (input):   ROUTER  <- every API process's DEALER
                            submit: answered at once (admitted, or the scheduler's refusal)
                            stats:  answered with an EngineCoreStats snapshot
+                           token log: answered with the frames kept for the sessions asked (record_tokens)
                            notes:  delivered samples, cancels, releases (batched by the sender)
                            figures: each API process's request counters, kept for the stats answer
                            api gone: an API process died: its sessions are cancelled, its outputs dropped
@@ -51,14 +52,17 @@ from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError
 from . import wire
 from .client import CoreRuntime, SessionOutput
+from .frame_log import FrameLog
 
 log = logging.getLogger(__name__)
 
 _PARENT_POLL_MS = 500  # the input loop's longest wait: how soon a dead parent is noticed at the latest
 
 
-def run_engine_core(config_data: dict[str, Any], addresses: wire.CoreAddresses, ready: Connection) -> None:
-    """The process's entry point (a spawn target: plain, picklable arguments)."""
+def run_engine_core(config_data: dict[str, Any], addresses: wire.CoreAddresses, ready: Connection,
+                    record_tokens: bool = False) -> None:
+    """The process's entry point (a spawn target: plain, picklable arguments). `record_tokens`: keep every
+    session's frames for CALL_TOKEN_LOG (token logs of tooling and tests)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = Config.model_validate(config_data)
@@ -70,7 +74,8 @@ def run_engine_core(config_data: dict[str, Any], addresses: wire.CoreAddresses, 
         from .build import build_engine_and_decoder
 
         engine, decoder, codec_device = build_engine_and_decoder(config)
-        proc = EngineCoreProc(config, engine, decoder, codec_device, addresses)
+        proc = EngineCoreProc(config, engine, decoder, codec_device, addresses,
+                              frame_log=FrameLog() if record_tokens else None)
     except Exception:
         ready.send(("error", traceback.format_exc()))
         ready.close()
@@ -85,7 +90,7 @@ def run_engine_core(config_data: dict[str, Any], addresses: wire.CoreAddresses, 
 
 class EngineCoreProc:
     def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder, codec_device: str,
-                 addresses: wire.CoreAddresses) -> None:
+                 addresses: wire.CoreAddresses, *, frame_log: FrameLog | None = None) -> None:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
@@ -95,7 +100,10 @@ class EngineCoreProc:
         # The output thread's; None once the API process it feeds has died.
         self._output_addresses = addresses.outputs
         self._outputs: list[zmq.Socket | None] = [self._new_output(address) for address in addresses.outputs]
-        self._runtime = CoreRuntime(config, engine, decoder, self._post, codec_device=codec_device)
+        self._frame_log = frame_log
+        self._runtime = CoreRuntime(config, engine, decoder, self._post, codec_device=codec_device,
+                                    on_frames=frame_log.on_frames if frame_log is not None else None,
+                                    on_event=frame_log.on_event if frame_log is not None else None)
         self._cond = threading.Condition()
         self._outbox: list[tuple[str, SessionOutput]] = []
         self._owner: dict[str, int] = {}  # session id -> API process; guarded by _cond
@@ -179,6 +187,10 @@ class EngineCoreProc:
                 self._reply(identity, [seq, wire.OK, self._runtime.adapters(message[2], message[3])])
             except AdapterError as exc:
                 self._reply(identity, [seq, wire.INVALID, str(exc)])
+            return False
+        if kind == wire.CALL_TOKEN_LOG:
+            entries = self._frame_log.read(message[2]) if self._frame_log is not None else {}
+            self._reply(identity, [seq, wire.OK, [[sid, frames, reason] for sid, (frames, reason) in entries.items()]])
             return False
         if kind == wire.CALL_SHUTDOWN:
             self._halt()

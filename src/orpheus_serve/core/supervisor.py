@@ -27,8 +27,9 @@ class CoreStartError(RuntimeError):
 
 
 class CoreSupervisor:
-    def __init__(self, config: Config, addresses: CoreAddresses) -> None:
+    def __init__(self, config: Config, addresses: CoreAddresses, *, record_tokens: bool = False) -> None:
         self._config = config
+        self._record_tokens = record_tokens
         self._addresses = addresses
         self.process: multiprocessing.process.BaseProcess | None = None
         self.crash_loop = CrashLoopGuard()
@@ -44,7 +45,7 @@ class CoreSupervisor:
         ctx = multiprocessing.get_context("spawn")
         receiver, sender = ctx.Pipe(duplex=False)
         process = ctx.Process(target=run_engine_core, name="orpheus-engine-core", daemon=True,
-                              args=(self._config.model_dump(mode="json"), self._addresses, sender))
+                              args=(self._config.model_dump(mode="json"), self._addresses, sender, self._record_tokens))
         process.start()
         sender.close()
         try:

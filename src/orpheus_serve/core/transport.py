@@ -14,6 +14,7 @@ the core still runs, and what to do with one that does not answer, are its owner
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,8 +23,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from ..engines.lora import AdapterError
 from ..request.errors import ServiceUnavailableError
 from . import wire
+from .frame_log import FrameEntries
 from .wire import CoreAddresses
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class CoreTransport:
         self._pull: zmq.asyncio.Socket | None = None
         self._seq = 0
         self._replies: dict[int, asyncio.Future[list[Any]]] = {}  # calls awaiting the core's answer, by seq
+        self.polled_s = time.monotonic()  # when `poll` last had an answer
         self._calls_fd: int | None = None  # the call socket's descriptor, watched by the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         # Notes for the core, sent once per loop pass: delivered samples (summed per session), cancels, releases.
@@ -82,7 +86,13 @@ class CoreTransport:
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.polled_s = time.monotonic()  # the polls start now
         self._watch_calls()
+
+    def answering(self) -> bool:
+        """False once `poll` has had no answer for timeout_s: a silent core is not served from (ARCHITECTURE §9),
+        as a call that waited that long would have found. Before the loop runs nothing polls: True."""
+        return self._loop is None or time.monotonic() - self.polled_s <= self.timeout_s
 
     def _watch_calls(self) -> None:
         if self._loop is not None and self._calls is not None and self._calls_fd is None:
@@ -141,6 +151,40 @@ class CoreTransport:
         except zmq.Again:
             raise ServiceUnavailableError("the engine core is not taking requests (its input queue is full)") from None
         return self._seq
+
+    def call_from_any_thread(self, kind: int, *args: Any) -> list[Any]:
+        """`call` from any thread. From one other than the running event loop's (a test, a tool reading
+        stats), it runs on the loop as `acall`: the call socket has one user."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _on_loop(loop):
+            future = asyncio.run_coroutine_threadsafe(self.acall(kind, *args), loop)
+            return future.result(self.timeout_s + 1.0)  # acall gives up at the timeout itself
+        return self.call(kind, *args)
+
+    async def poll(self, kind: int, period_s: float, take: Callable[[list[Any]], object]) -> None:
+        """Call `kind` every `period_s` while the core is up and hand each answer to `take`, never blocking the
+        loop. A call without an answer is skipped: the core's death or silence is dealt with where it is
+        noticed (MPClient's _core_lost, the supervisor's kill_silent); `polled_s` says when one last came."""
+        while True:
+            await asyncio.sleep(period_s)
+            if not self.up:  # down is reported otherwise (MPClient); silence counts from when it is up
+                self.polled_s = time.monotonic()
+                continue
+            with contextlib.suppress(ServiceUnavailableError):
+                take(await self.acall(kind))
+                self.polled_s = time.monotonic()
+
+    async def adapters(self, op: str, name: str | None) -> list[dict[str, Any]]:
+        """The core's custom-voice adapters (engines/lora.adapter_call); AdapterError with the reason."""
+        status, detail = await self.acall(wire.CALL_ADAPTERS, op, name)
+        if status != wire.OK:
+            raise AdapterError(detail)
+        return detail
+
+    def token_frames(self, session_ids: list[str]) -> FrameEntries:
+        """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens)."""
+        return {sid: (frames, reason) for sid, frames, reason in
+                self.call_from_any_thread(wire.CALL_TOKEN_LOG, session_ids)[1]}
 
     async def acall(self, kind: int, *args: Any) -> list[Any]:
         """`call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
@@ -232,3 +276,10 @@ class CoreTransport:
         self._delivered = {}
         self._cancels = []
         self._releases = []
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -10,6 +10,9 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
     [CALL_STATS, seq]                      answered: [seq, OK, stats..., [[api, figures], ...]]
     [CALL_SHUTDOWN, seq]                   answered: [seq, OK]; the core then stops
     [CALL_ADAPTERS, seq, op, name]         answered: [seq, OK, [status, ...]] or [seq, INVALID, reason]
+    [CALL_TOKEN_LOG, seq, [session_id, ...]]
+                                           answered: [seq, OK, [[session_id, frames, finish_reason], ...]]
+                                           (a core started with record_tokens; otherwise an empty list)
     [NOTES, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
                                            not answered, batched per loop pass
     [FIGURES, api, {request and gateway counters}]   not answered: an API process's own counters, for the
@@ -45,6 +48,7 @@ API_GONE = 6
 LOOP_LAG = 7
 ENGINE_DEAD = 8  # an output entry no session owns (session ids are strings)
 CALL_ADAPTERS = 9  # [kind, seq, op, name] -> [seq, OK, [status, ...]] | [seq, INVALID, reason]
+CALL_TOKEN_LOG = 10
 
 OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s

@@ -8,7 +8,6 @@ takes an engine and decoder already built (tests, tools with their own engine).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +15,20 @@ from ..codec.base import StreamingDecoder
 from ..config import Config
 from ..core.build import build_engine_and_decoder, resolve_models
 from ..core.client import InprocClient
+from ..core.frame_log import FrameLog
 from ..engines.base import TokenEngine
 from ..request.types import ModelInfo
 from .service import TTSService
 from .token_log import TokenLog
 
-log = logging.getLogger(__name__)
-
 
 def assemble_service(config: Config, *, engine: TokenEngine, decoder: StreamingDecoder, tokenizer: Any,
                      model_info: ModelInfo, codec_device: str = "cpu", record_tokens: bool = False) -> TTSService:
-    token_log = TokenLog() if record_tokens else None
+    frame_log = FrameLog() if record_tokens else None
     client = InprocClient(config, engine, decoder, codec_device=codec_device,
-                          on_frames=token_log.on_frames if token_log is not None else None,
-                          on_event=token_log.on_event if token_log is not None else None)
+                          on_frames=frame_log.on_frames if frame_log is not None else None,
+                          on_event=frame_log.on_event if frame_log is not None else None)
+    token_log = TokenLog(frame_log.read) if frame_log is not None else None
     return TTSService(config, client=client, tokenizer=tokenizer, model_info=model_info,
                       max_seq_len=engine.max_seq_len, token_log=token_log)
 
@@ -42,16 +41,15 @@ def build_service(config: Config, *, record_tokens: bool = False) -> TTSService:
     resolved = resolve_models(config)
     config = resolved.config
     tokenizer = load_tokenizer(resolved.tokenizer_path)
-    if config.server.engine_process and record_tokens:
-        # The token log taps the engine core's threads; tooling that asks for it gets them in this process.
-        log.info("recording tokens: the engine core runs in this process (server.engine_process ignored)")
-    elif config.server.engine_process:
+    if config.server.engine_process:
         from ..core.mp_client import MPClient
 
-        client = MPClient(config)
+        # With record_tokens the core keeps the frames; the token log reads them over the wire.
+        client = MPClient(config, record_tokens=record_tokens)
         core = client.launch()
         return TTSService(config, client=client, tokenizer=tokenizer, model_info=resolved.info,
-                          max_seq_len=core.max_seq_len)
+                          max_seq_len=core.max_seq_len,
+                          token_log=TokenLog(client.token_frames) if record_tokens else None)
     engine, decoder, codec_device = build_engine_and_decoder(config)
     return assemble_service(config, engine=engine, decoder=decoder, tokenizer=tokenizer, model_info=resolved.info,
                             codec_device=codec_device, record_tokens=record_tokens)

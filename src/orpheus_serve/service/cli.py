@@ -61,9 +61,11 @@ async def synthesize_to_file(args: argparse.Namespace) -> SynthesisMetrics:
                     wav.writeframes(item.pcm)
                 else:
                     metrics = item
+        # Read while the engine core runs: with the core in a process of its own the frames live there.
+        token_entries = service.token_log.snapshot() if service.token_log is not None else None
     finally:
         await service.shutdown(grace_s=0)
-    if args.tokens_out is not None and service.token_log is not None:
+    if args.tokens_out is not None and token_entries is not None:
         chunks = [
             {
                 "text": entry["text"],
@@ -71,7 +73,7 @@ async def synthesize_to_file(args: argparse.Namespace) -> SynthesisMetrics:
                 "generated_ids": token_format.frames_to_token_ids(entry["frames"], end=entry["finish_reason"] == "stop"),
                 "finish_reason": entry["finish_reason"],
             }
-            for entry in service.token_log.values()
+            for entry in token_entries.values()
         ]
         args.tokens_out.write_text(json.dumps({"request_id": request.request_id, "chunks": chunks}))
     assert metrics is not None

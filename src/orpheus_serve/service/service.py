@@ -322,8 +322,9 @@ class TTSService:
         return ServiceSnapshot(core=core, saturation=saturation(core, self.config))
 
     def saturation(self) -> str | None:
-        """Why the pipeline is behind (for /ready), or None (stats.saturation)."""
-        return saturation(self._client.stats(), self.config)
+        """Why the pipeline is behind (for /ready and each new stream), or None (stats.saturation). From the
+        client's recent stats: a core that is slow to answer must not hold the event loop."""
+        return saturation(self._client.recent_stats(), self.config)
 
     def stats(self) -> dict[str, Any]:
         return service_stats(self.snapshot(), self.tally, backend=self.model_info.backend,
