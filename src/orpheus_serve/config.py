@@ -127,6 +127,12 @@ class EngineConfig(_Strict):
     max_seq_len: int = Field(4096, ge=64)
     cuda_graphs: bool = True
     memory_fraction: float = Field(0.9, gt=0, le=1)
+    # Torch backend (docs/ATTENTION.md). Decode attention: the Triton kernel over the slot cache or SDPA over a
+    # gathered copy (auto: triton on CUDA); the KV cache's dtype (auto: the model's; fp8: e4m3, per-head scales);
+    # fp8: the decoder layers' GEMMs in e4m3 through torch._scaled_mm.
+    attention: Literal["auto", "sdpa", "triton"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "auto"
+    quantization: Literal["none", "fp8"] = "none"
     tensorrt: TensorRTConfig = TensorRTConfig()
     sim: SimConfig = SimConfig()
 

@@ -24,8 +24,14 @@ context length.
 FP8 (e4m3) caches hold `x / scale` with one static scale per (layer, KV head) (see `fp8.py`).
 A per-head scale is constant along the row, so the kernel never multiplies it into the cache
 values: K's scale joins the softmax scale of the scores, V's multiplies the partial output
-once. The fp8 -> compute-dtype conversion on load is exact (e4m3 values are exactly
-representable in bf16, fp16 and fp32).
+once.
+
+Precision: loads are converted to fp32 (exact from e4m3, bf16 and fp16) and both products run
+as fp32 tensor-core dots: IEEE for an fp32 model, TF32 otherwise. TF32 keeps 11 significant
+bits, so bf16/fp16/fp8 operands pass unrounded and only the probabilities of the P.V product
+are rounded (to 2^-11, finer than the bf16 rounding of P in the usual flash kernels). The
+kernel is memory-bound, so TF32's lower throughput against bf16 costs nothing measurable;
+it also keeps the kernel off bf16 dots, which Triton's CPU interpreter computes wrongly.
 
 New K/V are written by `KVCache.write` (llama.py: an index_put scatter, quantising for an FP8
 cache) before the kernel runs, so the row attends over its own new token. Under TRITON_INTERPRET=1 (set
@@ -72,7 +78,7 @@ def _split_kernel(Q, K, V, Slots, Lengths, KScale, VScale, OutPartial, LsePartia
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     score_scale = qk_scale_log2
     if HAS_SCALE:
         score_scale = score_scale * tl.load(KScale + kv_head)
@@ -89,15 +95,15 @@ def _split_kernel(Q, K, V, Slots, Lengths, KScale, VScale, OutPartial, LsePartia
         n_mask = n < end
         offsets = base + n[:, None].to(tl.int64) * stride_cn + offs_d[None, :]
         load_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + offsets, mask=load_mask, other=0.0).to(q.dtype)
+        k = tl.load(K + offsets, mask=load_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_scale  # [BLOCK_G, BLOCK], log2 units
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offsets, mask=load_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        v = tl.load(V + offsets, mask=load_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
         n0 += BLOCK
 
@@ -109,6 +115,18 @@ def _split_kernel(Q, K, V, Slots, Lengths, KScale, VScale, OutPartial, LsePartia
     out_ptrs = OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(out_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(LsePartial + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 -> dtype, rounding to nearest even. bf16 is rounded by hand: Triton's CPU interpreter truncates
+    in its own fp32 -> bf16 cast (GPUs round), which would double the kernel's error there."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
@@ -130,7 +148,7 @@ def _combine_kernel(OutPartial, LsePartial, Out,
     partial = tl.load(OutPartial + b * stride_ob + head * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(Out + b * stride_yb + head * stride_yh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    tl.store(Out + b * stride_yb + head * stride_yh + offs_d, _round_to(out, Out.dtype.element_ty), mask=d_mask)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int) -> int:
@@ -180,7 +198,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, NUM_SPLITS=splits,
-        HAS_SCALE=has_scale, PRECISION="ieee" if q.dtype == torch.float32 else None,
+        HAS_SCALE=has_scale, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     out = torch.empty_like(q)
     _combine_kernel[(B, H)](
