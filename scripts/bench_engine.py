@@ -18,7 +18,17 @@ scripts/make_tiny_models.py into --models-dir when missing.
 attends over when timing starts; it grows by the steps run), `--graphs on,off` with and without
 CUDA graphs (one engine each; graphs exist on CUDA only), and `--constrained on,off` with the
 frame-position constraint's narrowed projection and without it (sessions prefilled again). `--json`
-writes one row per (model, context, graphs, constrained, batch), with the memory plan of each engine.
+writes one row per (model, context, graphs, variant, constrained, batch), with the memory plan of each engine.
+
+`--variants` compares decode attention and precision (docs/ATTENTION.md), one engine each:
+sdpa (SDPA over the batch's gathered cache), triton (the split-K kernel over the slot cache),
+triton+fp8kv (and an FP8 KV cache), triton+fp8kv+fp8w (and FP8 GEMM weights). The memory plan
+of each says how many slots of the largest context fit the device:
+
+    python scripts/bench_engine.py --presets "" --model models/orpheus-3b --device cuda --dtype bf16 \
+        --batches 1,32,128,256 --contexts 256,1024 --variants sdpa,triton,triton+fp8kv,triton+fp8kv+fp8w
+
+(triton on a CPU runs in Triton's interpreter only, with TRITON_INTERPRET=1: a smoke test, not a speed.)
 """
 
 from __future__ import annotations
@@ -44,6 +54,13 @@ from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
 from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
+# TorchEngine options of each --variants name.
+VARIANTS: dict[str, dict[str, str]] = {
+    "sdpa": {"attention": "sdpa"},
+    "triton": {"attention": "triton"},
+    "triton+fp8kv": {"attention": "triton", "kv_cache_dtype": "fp8"},
+    "triton+fp8kv+fp8w": {"attention": "triton", "kv_cache_dtype": "fp8", "quantization": "fp8"},
+}
 
 
 def ensure_model(models_dir: Path, preset: str) -> Path:
@@ -63,15 +80,27 @@ def _on_off(value: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {value!r}") from exc
 
 
-def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtype: str,
-                memory_fraction: float = 0.9) -> dict[str, object]:
-    """What the engine's planner says about `slots` sessions of `max_seq_len` on this device."""
-    from orpheus_serve.engines.llama import torch_dtype
+def _variants(value: str) -> list[str]:
+    names = [v for v in value.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; expected some of {', '.join(VARIANTS)}")
+    return names
 
+
+def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtype: str,
+                memory_fraction: float = 0.9, variant: str = "sdpa") -> dict[str, object]:
+    """What the engine's planner says about `slots` sessions of `max_seq_len` on this device."""
+    from orpheus_serve.engines.llama import kv_torch_dtype, torch_dtype
+
+    options = VARIANTS[variant]
     budget = available_bytes(torch.device(device))
+    kv_dtype = options.get("kv_cache_dtype")
     plan = plan_memory(LlamaConfig.from_folder(folder), num_slots=slots, max_seq_len=max_seq_len,
                        dtype=torch_dtype(dtype), max_batch_size=slots,
-                       budget_bytes=None if budget is None else int(budget * memory_fraction))
+                       budget_bytes=None if budget is None else int(budget * memory_fraction),
+                       kv_dtype=kv_torch_dtype(kv_dtype) if kv_dtype else None,
+                       quantization=options.get("quantization", "none"))
     return {"slots": slots, "max_seq_len": max_seq_len, "weights_gib": round(plan.weights_bytes / 2**30, 3),
             "kv_mib_per_slot": round(plan.kv_bytes_per_slot / 2**20, 2),
             "workspace_gib": round(plan.workspace_bytes / 2**30, 3),
@@ -81,13 +110,13 @@ def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtyp
 
 def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, warmup: int, device: str,
                 dtype: str, prompt_len: int, graphs: bool = True,
-                constrained_modes: tuple[bool, ...] = (True,)) -> dict[bool, dict[int, float]]:
+                constrained_modes: tuple[bool, ...] = (True,), variant: str = "sdpa") -> dict[bool, dict[int, float]]:
     """Median seconds per decode step, per constrained mode and batch size (one engine for all)."""
     max_batch = max(batches)
     per_mode_steps = warmup * len(batches) + rounds * steps * len(batches)
     max_seq_len = prompt_len + 1 + per_mode_steps + 8
     engine = TorchEngine(folder, num_slots=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                         max_batch_size=max_batch, cuda_graphs=graphs)
+                         max_batch_size=max_batch, cuda_graphs=graphs, **VARIANTS[variant])
     results: dict[bool, dict[int, float]] = {}
     try:
         for constrained in constrained_modes:
@@ -138,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", type=_on_off, default=[True], help="CUDA graphs: on, off or on,off (default on)")
     ap.add_argument("--constrained", type=_on_off, default=[True],
                     help="frame-position constraint: on, off or on,off (default on)")
+    ap.add_argument("--variants", type=_variants, default=["sdpa"],
+                    help=f"decode attention / precision variants to compare: {', '.join(VARIANTS)} (default sdpa)")
     ap.add_argument("--json", default=None, help="also write the rows and memory plans to this JSON file")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
@@ -157,30 +188,32 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",") if c] if args.contexts else [args.prompt_len]
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds x {args.steps} steps per batch size, median round")
-    print(f"{'model':<16} {'params':>8} {'ctx':>5} {'graphs':>6} {'constr':>6} {'batch':>5} {'step ms':>9} "
-          f"{'tokens/s':>10} {'x batch 1':>10}")
+    print(f"{'model':<16} {'params':>8} {'ctx':>5} {'graphs':>6} {'variant':>17} {'slots fit':>9} {'constr':>6} "
+          f"{'batch':>5} {'step ms':>9} {'tokens/s':>10} {'x batch 1':>10}")
     rows: list[dict[str, object]] = []
     plans: list[dict[str, object]] = []
     for folder in folders:
         params = LlamaConfig.from_folder(folder).num_parameters
         for context in contexts:
-            for graphs in args.graphs:
+            for graphs, variant in ((g, v) for g in args.graphs for v in args.variants):
                 max_seq_len = context + 1 + (args.warmup + args.rounds * args.steps) * len(batches) + 8
-                plans.append({"model": folder.name, "context": context, "graphs": graphs,
-                              **memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device,
-                                            dtype=dtype)})
+                plan = memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device, dtype=dtype,
+                                   variant=variant)
+                plans.append({"model": folder.name, "context": context, "graphs": graphs, "variant": variant, **plan})
                 by_mode = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds,
                                       warmup=args.warmup, device=device, dtype=dtype, prompt_len=context,
-                                      graphs=graphs, constrained_modes=tuple(args.constrained))
+                                      graphs=graphs, constrained_modes=tuple(args.constrained), variant=variant)
+                fit = "?" if plan["max_slots"] is None else plan["max_slots"]
                 for constrained, step_s in by_mode.items():
                     base = 1 / step_s[1]
                     for batch in batches:
                         rate = batch / step_s[batch]
                         print(f"{folder.name:<16} {params / 1e6:>7.1f}M {context:>5} {_word(graphs):>6} "
-                              f"{_word(constrained):>6} {batch:>5} {step_s[batch] * 1e3:>9.2f} {rate:>10.1f} "
-                              f"{rate / base:>10.2f}", flush=True)
+                              f"{variant:>17} {fit:>9} {_word(constrained):>6} {batch:>5} "
+                              f"{step_s[batch] * 1e3:>9.2f} {rate:>10.1f} {rate / base:>10.2f}", flush=True)
                         rows.append({"model": folder.name, "params_m": round(params / 1e6, 1), "context": context,
-                                     "graphs": graphs and device.startswith("cuda"), "constrained": constrained,
+                                     "graphs": graphs and device.startswith("cuda"), "variant": variant,
+                                     "slots_fit": plan["max_slots"], "constrained": constrained,
                                      "batch": batch, "step_ms": round(step_s[batch] * 1e3, 3),
                                      "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2)})
                 if args.json:  # after every configuration: a run stopped part-way keeps what it measured
