@@ -299,3 +299,41 @@ def test_cuda_bf16_kernel_matches_reference_at_orpheus_shapes() -> None:
     sdpa_bf16 = reference(c["q"], c["k"], c["v"], c["slots"], c["lengths"], dtype=torch.bfloat16).double()
     out = decode_attention(d["q"], d["k"], d["v"], d["slots"], d["lengths"]).cpu().double()
     assert (out - expected).abs().max() <= 2 * (sdpa_bf16 - expected).abs().max()
+
+
+# ----------------------------------------------------------------------------- server
+
+
+@pytest.mark.slow
+def test_server_with_triton_and_fp8_cache_serves_every_protocol(tiny_orpheus: Path, tiny_snac: Path) -> None:
+    """The whole server (real uvicorn and gRPC) with engine.attention=triton and engine.kv_cache_dtype=fp8:
+    every protocol streams audio, and /v1/stats shows the FP8 cache at a quarter of the fp32 bytes per slot."""
+    import asyncio
+
+    from orpheus_serve.client import protocols as api_client
+    from orpheus_serve.engines.memory import kv_bytes_per_slot
+    from orpheus_serve.synthesis import PROTOCOLS
+    from tests.gateway_support import start_server, stats, tiny_config
+
+    # One slot per protocol and a long queue timeout: the interpreter takes about a second per decode step.
+    config = tiny_config(tiny_orpheus, tiny_snac, **{
+        "engine.attention": "triton", "engine.kv_cache_dtype": "fp8", "engine.max_seq_len": 256,
+        "scheduler.max_concurrent_sessions": len(PROTOCOLS), "scheduler.max_batch_size": len(PROTOCOLS),
+        "scheduler.queue_timeout_s": 600.0, "server.stalled_client_timeout_s": 600.0})
+    server = start_server(config)
+    try:
+        async def every_protocol() -> list[api_client.ClientResult]:
+            return await asyncio.gather(*(
+                api_client.synthesize(p, "Hello there.", url=server.base_url, grpc_addr=server.grpc_address,
+                                      voice="tara", fmt="pcm", temperature=0.0, seed=1, max_tokens=28)
+                for p in PROTOCOLS))
+
+        results = asyncio.run(every_protocol())
+        for result in results:
+            assert result.ok, (result.protocol, result.error)
+            assert len(result.audio) > 0
+        kv = stats(server)["kv_cache"]
+        fp32_bytes = kv_bytes_per_slot(LlamaConfig.from_folder(tiny_orpheus), 256, torch.float32)
+        assert kv["dtype"] == "float8_e4m3fn" and kv["bytes_per_slot"] * 4 == fp32_bytes
+    finally:
+        server.stop()
