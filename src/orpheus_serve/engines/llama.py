@@ -388,7 +388,7 @@ class Transformer(nn.Module):
         n_text = max(1, length // 4 - len(P.PROMPT_SUFFIX) - 2)
         text = torch.randint(0, P.BOS, (n_text,), generator=gen).tolist()
         prompt = [P.START_OF_HUMAN, P.BOS, *text, *P.PROMPT_SUFFIX]
-        audio = torch.randint(P.AUDIO_TOKEN_BASE, P.AUDIO_VOCAB_END, (length - len(prompt),), generator=gen).tolist()
+        audio = torch.randint(P.AUDIO_TOKEN_BASE, P.AUDIO_VOCAB_END, (max(0, length - len(prompt)),), generator=gen).tolist()
         tokens = torch.tensor([*prompt, *audio][:length], dtype=torch.int64, device=device)
         caches = [layer.attention.kv_cache for layer in self.layers]
         for cache in caches:
