@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from orpheus_serve import protocol as P  # noqa: E402
+from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.codec.loader import decode_offline, load_snac  # noqa: E402
 from orpheus_serve.config import resolve_device  # noqa: E402
 from orpheus_serve.engines.llama import Transformer, kv_torch_dtype, load_transformer, torch_dtype  # noqa: E402

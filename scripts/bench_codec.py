@@ -50,9 +50,9 @@ from orpheus_serve.codec.reference import ReferenceWindowDecoder
 from orpheus_serve.codec.stateful import StatefulDecoder
 from orpheus_serve.codec.windowed import WindowBatcher, WindowedDecoder
 from orpheus_serve.config import load_config
-from orpheus_serve.protocol import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
-from orpheus_serve.service import audible_lookahead
-from orpheus_serve.tiny_models import write_snac
+from orpheus_serve.service.service import audible_lookahead
+from orpheus_serve.token_format import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from orpheus_serve.weights.tiny import write_snac
 
 REFERENCE_WINDOW_FRAMES = 4  # 28 tokens
 REFERENCE_KEEP_FRAME = 1  # samples 2048:4096

@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from orpheus_serve.codec.base import CodecPush
 from orpheus_serve.codec.stateful import StatefulDecoder
-from orpheus_serve.protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, frames_to_snac_codes
+from orpheus_serve.token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, frames_to_snac_codes
 
 WINDOW_LEFT = 2  # frames of left context of the windowed baseline
 WINDOW_RIGHT = 2  # frames of lookahead of the windowed baseline

@@ -46,12 +46,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from orpheus_serve import protocol as P  # noqa: E402
+from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
 from orpheus_serve.engines.llama import LlamaConfig  # noqa: E402
 from orpheus_serve.engines.memory import available_bytes, plan_memory  # noqa: E402
 from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
-from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
+from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
 # TorchEngine options of each --variants name.

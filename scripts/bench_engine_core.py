@@ -3,7 +3,7 @@
 
     PYTHONPATH=src python scripts/bench_engine_core.py --sessions 120 192 [--unpaced]
 
-No sockets, no API process, no event loop: `engine_client.CoreRuntime` (the scheduler,
+No sockets, no API process, no event loop: `core.client.CoreRuntime` (the scheduler,
 the engine core thread and the codec worker, what both process modes run) with the sim
 engine and sim codec on the benchmark's H100 FP8 cost model, N sessions that never end,
 and every output taken at once (a thread reports delivery every 20 ms, so flow control
@@ -23,10 +23,10 @@ import time
 from orpheus_serve.benchmarking.runner import h100_fp8_cost, sim_overrides
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.config import load_config
-from orpheus_serve.engine_client import CoreRuntime, SessionOutput
+from orpheus_serve.core.client import CoreRuntime, SessionOutput
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.scheduler import SessionRequest
-from orpheus_serve.step import SamplingParams
+from orpheus_serve.scheduler.step import SamplingParams
 
 PROMPT = tuple(range(128000, 128040))  # 40 prompt tokens, as the sim benchmark's
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch
 
 from orpheus_serve.engines.trtllm_engine import FramePositionLogitsProcessor
-from orpheus_serve.protocol import (
+from orpheus_serve.token_format import (
     AUDIO_TOKEN_BASE,
     BOS,
     CODEBOOK_SIZE,

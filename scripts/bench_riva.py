@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc
 
-    from orpheus_serve.api.server import ServerThread
+    from orpheus_serve.api.launch import ServerThread
     from orpheus_serve.client import protocols as client
     from orpheus_serve.config import load_config
 

@@ -5,7 +5,7 @@
     python scripts/make_tiny_models.py --out models --preset 3b --device cuda --dtype bf16 --skip-snac
 
 Writes OUT/tiny-orpheus (or OUT/orpheus-<preset>) and OUT/tiny-snac; see
-orpheus_serve.tiny_models for what they contain.
+orpheus_serve.weights.tiny for what they contain.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
-from orpheus_serve.tiny_models import LLAMA_PRESETS, write_tiny_models
+from orpheus_serve.weights.tiny import LLAMA_PRESETS, write_tiny_models
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

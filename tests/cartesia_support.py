@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from websockets.asyncio.client import connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 
 REPLY = ("Sure, I can help with that. The weather today is sunny, with a light breeze from the west. "
          "Tomorrow looks a little cooler, so bring a jacket if you go out. Anything else?")

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orpheus_serve.protocol import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE
+from orpheus_serve.token_format import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.config import Config, load_config
 
 # ORPHEUS_ENGINE_PROCESS=1: every test server built from config runs its engine core in a process of its own

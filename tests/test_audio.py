@@ -1,4 +1,4 @@
-"""audio.py: every format streams chunk by chunk and decodes back (PyAV) to about the right duration."""
+"""audio/encoding.py: every format streams chunk by chunk and decodes back (PyAV) to about the right duration."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from orpheus_serve.audio import (
+from orpheus_serve.audio.encoding import (
     AUDIO_FORMATS,
     CONTENT_TYPES,
     WAV_UNKNOWN_SIZE,
@@ -18,7 +18,7 @@ from orpheus_serve.audio import (
     decode_audio,
     wav_header,
 )
-from orpheus_serve.protocol import SAMPLE_RATE, SAMPLES_PER_FRAME
+from orpheus_serve.token_format import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 
 def _tone(seconds: float, rate: int = SAMPLE_RATE, hz: float = 440.0) -> np.ndarray:
@@ -147,7 +147,7 @@ def test_without_pyav_pcm_and_wav_still_stream_and_the_rest_is_refused_clearly()
     script = textwrap.dedent("""
         import sys
         sys.modules["av"] = None  # import av -> ImportError, as when it is not installed
-        from orpheus_serve import audio
+        from orpheus_serve.audio import encoding as audio
         assert audio.av is None
         pcm = (b"\\x01\\x00" * 2048)
         wav = audio.AudioStreamEncoder("wav")
@@ -168,3 +168,14 @@ def test_without_pyav_pcm_and_wav_still_stream_and_the_rest_is_refused_clearly()
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(root / "src"), "PATH": ""})
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_pcm_conversion_clips_rounds_and_reads_back() -> None:
+    from orpheus_serve.audio.pcm import float_to_pcm16, pcm16_to_float
+
+    samples = np.array([-2.0, -1.0, -0.25, 0.0, 0.25, 1.0, 3.0], dtype=np.float32)
+    pcm = float_to_pcm16(samples)
+    # struct, not numpy: little-endian int16, clipped to [-1, 1] and scaled by 32767 (0.25 * 32767 = 8191.75)
+    assert struct.unpack("<7h", pcm) == (-32767, -32767, -8192, 0, 8192, 32767, 32767)
+    back = pcm16_to_float(struct.pack("<3h", -32768, 16384, 32767))
+    assert back.dtype == np.dtype("<f4") and back.tolist() == [-1.0, 0.5, 32767 / 32768]

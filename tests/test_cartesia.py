@@ -20,12 +20,12 @@ import websockets
 from websockets.asyncio.client import connect
 
 from orpheus_serve.api.cartesia import MAX_CONTEXTS_PER_CONNECTION
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import PROTOCOLS
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.request.types import PROTOCOLS
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
@@ -48,7 +48,7 @@ ERROR_FIELDS = {"type", "error", "message", "title", "error_code", "status_code"
 def greedy_server(tiny_orpheus: Path, tiny_snac: Path, **overrides: object) -> ServerThread:
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "scheduler.admission": "slots",
                                                      **overrides})
-    return ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    return ServerThread(config, build_service(config, record_tokens=True)).start()
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +249,7 @@ def test_a_cancel_stops_generation_within_two_engine_steps(tiny_orpheus: Path) -
     """Engine steps of 25 ms (the sim engine, pacing like a GPU under load), so the cancel's way from the
     client to the scheduler is a small part of one step, and the count says what the server does."""
     config = sim_config(tiny_orpheus, **{"engine.sim.step_base_ms": 25.0})
-    server = ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    server = ServerThread(config, build_service(config, record_tokens=True)).start()
 
     async def scenario() -> tuple[int, ContextLog]:
         logs: dict[str, ContextLog] = {}

@@ -38,9 +38,9 @@ from pipecat.services.cartesia.tts import CartesiaTTSService
 from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.service import TTSService
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
@@ -59,7 +59,7 @@ API_KEY = "sk-agent"
 def greedy_server(tiny_orpheus: Path, tiny_snac: Path, **overrides: object) -> ServerThread:
     config = tiny_config(tiny_orpheus, tiny_snac, **{"sampling.temperature": 0.0, "scheduler.admission": "slots",
                                                      "server.api_keys": [API_KEY], **overrides})
-    return ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    return ServerThread(config, build_service(config, record_tokens=True)).start()
 
 
 @pytest.fixture(scope="module")

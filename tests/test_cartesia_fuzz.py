@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from tests.cartesia_support import ws_url
 from tests.gateway_support import settled_stats, sim_config, start_server, stats
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.codec import CodecPush, CodecResult, CodecWorker, WindowedDecoder, build_decoder
 from orpheus_serve.codec.loader import DisabledNoiseBlock, decode_offline, load_snac
 from orpheus_serve.codec.windowed import Window, WindowBatcher

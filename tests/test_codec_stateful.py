@@ -13,7 +13,7 @@ from snac.layers import NoiseBlock, ResidualUnit, WNConv1d, WNConvTranspose1d
 
 from orpheus_serve.codec.base import CodecPush, StreamingDecoder
 from orpheus_serve.codec.stateful import StatefulDecoder, _Builder, _StepContext
-from orpheus_serve.protocol import frames_to_snac_codes
+from orpheus_serve.token_format import frames_to_snac_codes
 
 SPF = 2048  # samples per frame
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orpheus_serve import protocol
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import AudioChunk, ChunkTimings, SynthesisMetrics, SynthesisRequest
-from orpheus_serve.text_stream import TextStream
-from orpheus_serve.word_timings import words_of
+from orpheus_serve import token_format
+from orpheus_serve.request.text_stream import TextStream
+from orpheus_serve.request.types import AudioChunk, ChunkTimings, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.service import TTSService
+from orpheus_serve.service.word_timings import words_of
 from tests.test_service import make_config
 
 REPLY = "Sure, I can help with that. The weather today is sunny, with a light breeze. Anything else?"
@@ -22,7 +23,7 @@ LONG_REPLY = ("Sure, I can help with that. " + "The weather today is sunny, with
 
 
 def service_for(tiny_models: Path, **overrides: object) -> TTSService:
-    return TTSService.from_config(make_config(tiny_models, **{"scheduler.admission": "slots", **overrides}),
+    return build_service(make_config(tiny_models, **{"scheduler.admission": "slots", **overrides}),
                                   record_tokens=True)
 
 
@@ -90,7 +91,7 @@ def test_text_pushed_word_by_word_speaks_before_the_input_ends(tiny_models: Path
             assert [w.word for w in words] == words_of(LONG_REPLY)
             for a, b in itertools.pairwise(words):
                 assert a.start_s <= a.end_s <= b.start_s
-            assert words[-1].end_s <= metrics.samples / protocol.SAMPLE_RATE
+            assert words[-1].end_s <= metrics.samples / token_format.SAMPLE_RATE
             stats = service.stats()
             assert stats["kv_cache"]["used_slots"] == 0
         finally:
@@ -193,7 +194,7 @@ def test_timestamps_on_a_whole_text(tiny_models: Path) -> None:
             words = [w for t in timings for w in t.words]
             assert [w.word for w in words] == words_of(REPLY)
             assert all(t.estimated for t in timings)
-            assert words[0].start_s >= 0 and words[-1].end_s <= metrics.samples / protocol.SAMPLE_RATE
+            assert words[0].start_s >= 0 and words[-1].end_s <= metrics.samples / token_format.SAMPLE_RATE
         finally:
             await service.shutdown(grace_s=0)
 

@@ -19,14 +19,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.config import load_config
 from orpheus_serve.engines.decode_attention import choose_num_splits, decode_attention
 from orpheus_serve.engines.fp8 import FP8_DTYPE, Fp8Linear, kv_scales, quantize_fp8, rounding_bound
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.engines.memory import plan_memory, weights_bytes
 from orpheus_serve.engines.torch_engine import TorchEngine
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -315,7 +315,7 @@ def test_server_with_triton_and_fp8_cache_serves_every_protocol(tiny_orpheus: Pa
 
     from orpheus_serve.client import protocols as api_client
     from orpheus_serve.engines.memory import kv_bytes_per_slot
-    from orpheus_serve.synthesis import PROTOCOLS
+    from orpheus_serve.request.types import PROTOCOLS
     from tests.gateway_support import start_server, stats, tiny_config
 
     # One slot per protocol and a long queue timeout: the interpreter takes about a second per decode step.

@@ -23,24 +23,24 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve import protocol as P
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve import token_format as P
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.config import SchedulerConfig, SimConfig
-from orpheus_serve.engine_core import EngineCore
+from orpheus_serve.core.engine_core import EngineCore
 from orpheus_serve.engines import sim_engine
 from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.request.types import ModelInfo
 from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
-from orpheus_serve.service_builder import assemble_service, load_tokenizer
-from orpheus_serve.step import EngineDeadError, SamplingParams, StepOutput, StepPlan
-from orpheus_serve.synthesis import ModelInfo
+from orpheus_serve.scheduler.step import EngineDeadError, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.service.build import assemble_service, load_tokenizer
 from tests.gateway_support import check_openai_error, sim_config, stats
 
 SLOTS = 6

@@ -22,18 +22,20 @@ import pytest
 import zmq
 from websockets.asyncio.client import connect as ws_connect
 
-from orpheus_serve import engine_wire as wire
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.config import ConfigError, load_config
-from orpheus_serve.engine_client import SessionDone
-from orpheus_serve.engine_proc import CALL_SHUTDOWN, CoreAddresses, EngineCoreProc
+from orpheus_serve.core import wire
+from orpheus_serve.core.client import Outcome, SessionDone
+from orpheus_serve.core.process import EngineCoreProc
+from orpheus_serve.core.wire import CALL_SHUTDOWN, CoreAddresses
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import SessionRequest
-from orpheus_serve.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.scheduler.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.service.build import build_service
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
 
 SPLIT = {"server.engine_process": True}
@@ -46,7 +48,7 @@ def test_requests_and_outputs_survive_the_wire_unchanged() -> None:
                              arrival_s=12.5, playback_start_s=11.0, audio_before_s=1.25)
     assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))) == request
     pcm = bytes(range(256)) * 8
-    done = SessionDone(reason="error", tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
+    done = SessionDone(Outcome.ERROR, tokens=7, frames=1, queue_s=0.25, error="engine error: boom")
     for item in (pcm, done):
         assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output("r-0", item)))) == ("r-0", item)
 
@@ -111,9 +113,13 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
         assert reply[0] == number
         return reply[1:]
 
+    engine_dead: list[wire.EngineDead] = []
+
     def next_outputs() -> list[tuple[str, Any]]:
         assert outputs.poll(10_000), "no output from the core"
-        return [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+        decoded = [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+        engine_dead.extend(item for item in decoded if isinstance(item, wire.EngineDead))
+        return [item for item in decoded if not isinstance(item, wire.EngineDead)]
 
     def request(request_id: str) -> list[Any]:
         return wire.encode_request(SessionRequest(request_id, (128259, 128000, 42, 128257),
@@ -127,10 +133,10 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
             pcm = b"".join(item for session, item in next_outputs() if session == "a" and isinstance(item, bytes))
         engine.failing = True
         seen: dict[str, SessionDone] = {}
-        while "" not in seen or "a" not in seen:
+        while not engine_dead or "a" not in seen:
             seen.update((session, item) for session, item in next_outputs() if isinstance(item, SessionDone))
-        assert seen["a"].reason == "error" and "code 134" in (seen["a"].error or "")
-        assert seen[""].reason == "engine_dead" and "code 134" in (seen[""].error or "")
+        assert seen["a"].outcome is Outcome.ERROR and "code 134" in (seen["a"].error or "")
+        assert len(engine_dead) == 1 and "code 134" in engine_dead[0].error
         status, message, _ = call(wire.CALL_SUBMIT, 0, request("b"))
         assert status == wire.UNAVAILABLE and "code 134" in message
         stats = wire.decode_stats(call(wire.CALL_STATS)[1])
@@ -410,12 +416,22 @@ async def _grpc_whole(address: str, first_audio: asyncio.Event) -> tuple[int, st
 def test_a_core_that_cannot_start_says_why(tiny_orpheus: Path) -> None:
     """An engine that fails to build in the core process fails the server's start with the core's own
     traceback, at once, instead of a hang."""
-    from orpheus_serve.mp_client import CoreStartError
-    from orpheus_serve.service import TTSService
+    from orpheus_serve.core.mp_client import CoreStartError
 
     config = sim_config(tiny_orpheus, **SPLIT, **{"engine.sim.step_base_ms": 9.0, "engine.backend": "torch",
                                                   "engine.device": "cuda:7"})
     started = time.monotonic()
     with pytest.raises(CoreStartError, match=r"(?s)failed to start.*Traceback"):
-        TTSService.from_config(config)
+        build_service(config)
     assert time.monotonic() - started < 120
+
+
+def test_the_crash_loop_guard_counts_deaths_within_its_window_only() -> None:
+    from orpheus_serve.core.crash_loop import CrashLoopGuard
+
+    now = [0.0]
+    guard = CrashLoopGuard(restarts=3, window_s=300.0, clock=lambda: now[0])
+    assert [guard.died() for _ in range(3)] == [True, True, True]
+    assert guard.died() is False and guard.recent_deaths == 4  # a fourth death within 300 s: no restart
+    now[0] = 301.0  # the first four are out of the window
+    assert guard.died() is True and guard.recent_deaths == 1

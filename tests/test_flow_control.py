@@ -1,4 +1,4 @@
-"""Flow control end to end (DESIGN §5a): departed clients cost nothing, codec passes are bounded,
+"""Flow control end to end (ARCHITECTURE §5a): departed clients cost nothing, codec passes are bounded,
 sessions are held back by their codec backlog, and a storm of clients that leave early does not
 wedge the server for the next one."""
 
@@ -17,9 +17,9 @@ from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.codec.base import CodecPush, CodecResult
 from orpheus_serve.codec.sim import SimDecoder
 from orpheus_serve.codec.worker import CodecWorker
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.build import build_service
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.gateway_support import settled_stats, sim_config, start_server, wait_for
 
 FRAME_BYTES = SAMPLES_PER_FRAME * 2
@@ -146,7 +146,7 @@ def test_a_slow_codec_holds_sessions_back_at_max_undecoded_frames(tiny_orpheus: 
     })
 
     async def scenario() -> dict:
-        service = TTSService.from_config(config)
+        service = build_service(config)
         await service.start(warmup=False)
         try:
             async def one(i: int) -> int:

@@ -1,4 +1,4 @@
-"""Flow control in the scheduler, on CPU with hand-built outputs and a fake clock (DESIGN §5a):
+"""Flow control in the scheduler, on CPU with hand-built outputs and a fake clock (ARCHITECTURE §5a):
 the capacity measure, capacity-aware admission, backpressure from codec and client, first push
 sizing. No threads, no model."""
 
@@ -9,13 +9,13 @@ import math
 
 import pytest
 
-from orpheus_serve.protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from orpheus_serve.scheduler import FramesReady, Scheduler, SessionState
 from orpheus_serve.scheduler.capacity import CapacityModel
 from orpheus_serve.scheduler.errors import SchedulerFullError
 from orpheus_serve.scheduler.flow import FlowControl
 from orpheus_serve.scheduler.flush import FlushPolicy, FrameBuffer
 from orpheus_serve.scheduler.session import Session
+from orpheus_serve.token_format import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from tests.test_scheduler import FakeClock, HandModel, config, of_type, request
 
 A_MS, B_MS = 4.0, 0.05  # a known engine cost: step_ms = 4 + 0.05 * batch

@@ -26,11 +26,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import InvalidRequestError, SynthesisRequest
-from orpheus_serve.validation import documented_ranges
+from orpheus_serve.request.errors import InvalidRequestError
+from orpheus_serve.request.types import SynthesisRequest
+from orpheus_serve.request.validation import documented_ranges
+from orpheus_serve.service.service import TTSService
 from tests.gateway_support import auth_header, sim_config, start_server, stats
 
 API_EXAMPLES = 40  # per operation in the fuzzing phase; /v1/audio/speech is the one with a body

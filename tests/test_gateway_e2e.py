@@ -19,10 +19,10 @@ import numpy as np
 import openai
 import pytest
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import AUDIO_FORMATS, CONTENT_TYPES, decode_audio
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import AUDIO_FORMATS, CONTENT_TYPES, decode_audio
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, VOICES
+from orpheus_serve.token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, VOICES
 from tests.gateway_support import check_openai_error, start_server, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

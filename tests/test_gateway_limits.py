@@ -21,7 +21,7 @@ import websockets
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc

@@ -18,13 +18,13 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.client.records import summarize
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
-from orpheus_serve.synthesis import PROTOCOLS
+from orpheus_serve.request.types import PROTOCOLS
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.gateway_support import check_openai_error, metric_values, sim_config, start_server, stats, wait_for
 
 MAX_TEXT = 4096  # the conversational profile's max_text_chars (OpenAI's limit)

@@ -23,17 +23,15 @@ from orpheus_serve.api.gateway import ConnectionLimiter, OutputOptions, SpeechSt
 from orpheus_serve.api.grpc_server import metrics_to_proto, request_from_proto
 from orpheus_serve.api.schemas import SpeechRequestBody, StreamRequestMessage, first_validation_error
 from orpheus_serve.proto import orpheus_pb2 as pb
-from orpheus_serve.protocol import OPENAI_VOICE_ALIASES, VOICES
-from orpheus_serve.synthesis import (
-    AudioChunk,
+from orpheus_serve.request.errors import (
     EngineFailureError,
     InvalidRequestError,
     QueueFullError,
     ServiceUnavailableError,
-    SynthesisMetrics,
-    SynthesisRequest,
     SynthesisTimeoutError,
 )
+from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.token_format import OPENAI_VOICE_ALIASES, VOICES
 
 
 @pytest.mark.parametrize("exc,status,grpc_code", [

@@ -23,11 +23,11 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError
 from websockets.frames import Frame, Opcode
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
-from orpheus_serve.protocol import SAMPLES_PER_FRAME, VOCAB_SIZE
-from orpheus_serve.service import TTSService
+from orpheus_serve.service.build import build_service
+from orpheus_serve.token_format import SAMPLES_PER_FRAME, VOCAB_SIZE
 from tests.gateway_support import tiny_config
 
 MAX_SEQ_LEN = 320
@@ -39,7 +39,7 @@ LONE_SURROGATE = '"\\ud800"'  # JSON text for a lone surrogate (json.dumps would
 @pytest.fixture(scope="module")
 def server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None):
     config = tiny_config(tiny_orpheus, tiny_snac, **{"engine.max_seq_len": MAX_SEQ_LEN})
-    srv = ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    srv = ServerThread(config, build_service(config, record_tokens=True)).start()
     yield srv
     srv.stop()
 

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from orpheus_serve.engines.llama import LlamaConfig, RopeConfig, load_transformer, rope_inv_freq
-from orpheus_serve.step import EngineError
-from orpheus_serve.tiny_models import llama_config, llama_weights
+from orpheus_serve.scheduler.step import EngineError
+from orpheus_serve.weights.tiny import llama_config, llama_weights
 
 TOLERANCE = 1e-4
 

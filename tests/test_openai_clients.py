@@ -26,9 +26,9 @@ from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
 from pipecat.services.openai.tts import OpenAITTSService
 from pipecat.tests.utils import run_test
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, SAMPLES_PER_FRAME
-from orpheus_serve.text import normalize_text, speech_chunks
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.request.text import normalize_text, speech_chunks
+from orpheus_serve.token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.gateway_support import check_openai_error, sim_config, start_server
 
 API_KEY = "agent-key"

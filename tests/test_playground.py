@@ -19,7 +19,7 @@ import websockets
 from websockets.sync.client import connect as ws_connect
 
 from orpheus_serve.api.http import PLAYGROUND_DIR, WS_KEY_SUBPROTOCOL
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
 

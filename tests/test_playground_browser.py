@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 from orpheus_serve.api.gateway import voice_list
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import decode_audio
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.browser_support import ARTIFACTS, CHROMIUM_ARGS, ROOT, Tab, chromium_path, open_tab, sync_playwright
 from tests.gateway_support import sim_config, start_server, stats, tiny_config, wait_for
 

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 
 
 def random_frames(n: int, seed: int = 0) -> np.ndarray:

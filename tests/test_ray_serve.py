@@ -21,7 +21,7 @@ import pytest
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.gateway_support import metric_values, tiny_config
 from tests.ray_support import Endpoint, aggregate, rest_outcomes, running_replicas, serve_cluster, wait_until
 

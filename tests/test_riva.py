@@ -30,11 +30,11 @@ from riva.client.proto import riva_tts_pb2_grpc as rtts_grpc
 from riva.client.proto.riva_audio_pb2 import AudioEncoding
 from riva.client.proto.riva_common_pb2 import RequestId
 
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.api.riva import RIVA_SUBVOICES, riva_voice_names
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import decode_audio, g711_encode
+from orpheus_serve.audio.encoding import decode_audio, g711_encode
 from orpheus_serve.client import protocols as api_client
-from orpheus_serve.protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, VOICES
+from orpheus_serve.token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, VOICES
 from tests.gateway_support import sim_config, start_server, stats, tiny_config, wait_for
 
 GREEDY = {"temperature": 0.0, "seed": 1, "max_tokens": 28}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.engines.sampling import (
     SamplingBatch,
     SlotSamplingState,
@@ -16,7 +16,7 @@ from orpheus_serve.engines.sampling import (
     mix32,
     sample_candidates,
 )
-from orpheus_serve.step import SamplingParams
+from orpheus_serve.scheduler.step import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

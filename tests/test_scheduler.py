@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from orpheus_serve.config import SchedulerConfig
-from orpheus_serve.protocol import END_OF_SPEECH, code_to_token
 from orpheus_serve.scheduler import (
     FlushPolicy,
     FrameBuffer,
@@ -22,7 +21,8 @@ from orpheus_serve.scheduler import (
     SessionState,
 )
 from orpheus_serve.scheduler.errors import InvalidSessionError, SchedulerFullError
-from orpheus_serve.step import SamplingParams, StepOutput, StepPlan
+from orpheus_serve.scheduler.step import SamplingParams, StepOutput, StepPlan
+from orpheus_serve.token_format import END_OF_SPEECH, code_to_token
 
 
 class FakeClock:
@@ -550,7 +550,7 @@ def test_deadline_continuation_chunk_inherits_the_stream_deadline() -> None:
 
 def test_scheduler_package_imports_no_torch() -> None:
     code = (
-        "import sys, orpheus_serve.scheduler, orpheus_serve.text; "
+        "import sys, orpheus_serve.scheduler, orpheus_serve.request.text; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "assert not [m for m in sys.modules if m.startswith(('orpheus_serve.engines', 'orpheus_serve.codec', "
         "'orpheus_serve.api'))], 'engine, codec or api imported'"

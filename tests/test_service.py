@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orpheus_serve import protocol
+from orpheus_serve import token_format
 from orpheus_serve.config import Config, load_config
-from orpheus_serve.service import TTSService
-from orpheus_serve.synthesis import AudioChunk, QueueFullError, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.request.errors import QueueFullError
+from orpheus_serve.request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.service import TTSService
 
 
 def make_config(tiny_models: Path, **overrides: object) -> Config:
@@ -51,7 +53,7 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
     async def scenario() -> None:
         # admission by slots alone: all 16 in the engine's batches at once (real-time admission would hold
         # this CPU's SNAC to two streams), which is what this test is about.
-        service = TTSService.from_config(make_config(tiny_models, **{"scheduler.admission": "slots"}),
+        service = build_service(make_config(tiny_models, **{"scheduler.admission": "slots"}),
                                          record_tokens=True)
         await service.start(warmup=False)
         try:
@@ -62,7 +64,7 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
             results = await asyncio.gather(*(collect(service, greedy(t, f"batch-{i}")) for i, t in enumerate(TEXTS)))
             for i, (pcm, m) in enumerate(results):
                 frames = service.token_log[f"batch-{i}-0"]["frames"]
-                assert len(pcm) // 2 == protocol.SAMPLES_PER_FRAME * m.frames == protocol.SAMPLES_PER_FRAME * len(frames)
+                assert len(pcm) // 2 == token_format.SAMPLES_PER_FRAME * m.frames == token_format.SAMPLES_PER_FRAME * len(frames)
                 assert m.ttfb_s is not None and m.audio_seconds > 0
                 if i in alone:
                     assert frames == alone[i][2], f"request {i}: tokens differ from the same request alone"
@@ -82,8 +84,8 @@ def test_concurrent_greedy_requests_equal_each_alone(tiny_models: Path) -> None:
 def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: Path) -> None:
     """Content, not just length: the PCM a client receives for a two-chunk text is, sample for sample, what
     decoding each chunk's generated frames in one offline call gives (SNAC noise off)."""
+    from orpheus_serve.audio.pcm import float_to_pcm16 as pcm16
     from orpheus_serve.codec import decode_offline, load_snac
-    from orpheus_serve.engine_client import pcm16
 
     text = ("The first sentence of this text runs long enough to fill most of one chunk on its own, and then "
             "some more words follow it. The second sentence lands in a chunk of its own, which the service "
@@ -91,7 +93,7 @@ def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: 
     assert 200 < len(text) <= 250
 
     async def scenario() -> tuple[bytes, SynthesisMetrics, list[list[list[int]]]]:
-        service = TTSService.from_config(make_config(tiny_models), record_tokens=True)
+        service = build_service(make_config(tiny_models), record_tokens=True)
         await service.start(warmup=False)
         try:
             req = SynthesisRequest(text=text, temperature=0.0, max_tokens=70, request_id="content")
@@ -113,13 +115,13 @@ def test_streamed_pcm_is_the_offline_decode_of_the_sessions_frames(tiny_models: 
     assert np.abs(got - want).max() <= 1
     assert np.mean(got == want) > 0.99
     # What the comparison catches: audio shifted by one frame (a dropped or repeated frame) is far off.
-    shift = protocol.SAMPLES_PER_FRAME
+    shift = token_format.SAMPLES_PER_FRAME
     assert np.abs(got[shift:] - want[:-shift]).max() > 100
 
 
 def test_cancel_mid_stream_frees_the_slot(tiny_models: Path) -> None:
     async def scenario() -> None:
-        service = TTSService.from_config(make_config(tiny_models))
+        service = build_service(make_config(tiny_models))
         await service.start(warmup=False)
         try:
             gen = service.synthesize(greedy("A long sentence that keeps going for a while.", "cancel-me", 700))
@@ -141,7 +143,7 @@ def test_cancel_mid_stream_frees_the_slot(tiny_models: Path) -> None:
             assert stats["requests"]["requests_cancelled"] == 1
             # the server keeps serving
             pcm, m = await collect(service, greedy("Still here.", "after"))
-            assert len(pcm) == 2 * protocol.SAMPLES_PER_FRAME * m.frames
+            assert len(pcm) == 2 * token_format.SAMPLES_PER_FRAME * m.frames
         finally:
             await service.shutdown(grace_s=0)
 
@@ -164,7 +166,7 @@ def test_queue_bound_refuses_at_once_past_what_can_be_admitted(tiny_models: Path
     )
 
     async def scenario() -> None:
-        service = TTSService.from_config(cfg)
+        service = build_service(cfg)
         await service.start(warmup=False)
         try:
             gens = [service.synthesize(greedy(f"Request {i}.", f"q-{i}")) for i in range(accepted + 1)]
@@ -210,20 +212,20 @@ def test_synthesize_cli_writes_chunked_wav_without_gaps(tiny_models: Path, tmp_p
     assert len(log["chunks"]) >= 3
     total_frames = 0
     for chunk in log["chunks"]:
-        assert chunk["prompt_ids"][0] == protocol.START_OF_HUMAN and chunk["prompt_ids"][-1] == protocol.START_OF_SPEECH
-        total_frames += len(protocol.parse_token_ids(chunk["generated_ids"]))
+        assert chunk["prompt_ids"][0] == token_format.START_OF_HUMAN and chunk["prompt_ids"][-1] == token_format.START_OF_SPEECH
+        total_frames += len(token_format.parse_token_ids(chunk["generated_ids"]))
     with wave.open(str(out)) as wav:
         assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (24000, 1, 2)
         samples = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
     # no gap, no overlap: the WAV is exactly every chunk's frames back to back
-    assert len(samples) == total_frames * protocol.SAMPLES_PER_FRAME
+    assert len(samples) == total_frames * token_format.SAMPLES_PER_FRAME
 
 
 
 def test_first_flush_comes_as_soon_as_the_stateful_decoder_can_return_audio(tiny_snac: Path) -> None:
     from orpheus_serve.codec import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
-    from orpheus_serve.engine_client import audible_lookahead
+    from orpheus_serve.core.client import audible_lookahead
     from orpheus_serve.scheduler import FlushPolicy
 
     decoder = StatefulDecoder(load_snac(str(tiny_snac), noise=False))
@@ -231,4 +233,4 @@ def test_first_flush_comes_as_soon_as_the_stateful_decoder_can_return_audio(tiny
     policy = FlushPolicy.from_config(load_config(env={}).scheduler, lookahead)
     # 3 frames = 21 tokens: no later than the windowed default (1 frame + 2 of lookahead)
     assert policy.first_frames * 7 == 21
-    assert policy.first_frames * protocol.SAMPLES_PER_FRAME > decoder.lookahead_samples
+    assert policy.first_frames * token_format.SAMPLES_PER_FRAME > decoder.lookahead_samples

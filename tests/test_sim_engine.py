@@ -7,8 +7,8 @@ import pytest
 from orpheus_serve.config import Config, SimConfig
 from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine, h100_cost_model
-from orpheus_serve.protocol import END_OF_SPEECH, FrameParser
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.token_format import END_OF_SPEECH, FrameParser
 
 COST = SimConfig(
     step_base_ms=9.0,

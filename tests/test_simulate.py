@@ -15,7 +15,7 @@ from orpheus_serve.benchmarking.simulate import (
 )
 from orpheus_serve.config import SchedulerConfig
 from orpheus_serve.engines.sim_engine import h100_cost_model
-from orpheus_serve.protocol import FRAME_SECONDS
+from orpheus_serve.token_format import FRAME_SECONDS
 
 
 def setup(slots: int = 64, batch: int = 16) -> SimulationSetup:

@@ -1,4 +1,4 @@
-"""Slow readers and clients that stop reading cost bounded memory and nobody else's audio (DESIGN §5a).
+"""Slow readers and clients that stop reading cost bounded memory and nobody else's audio (ARCHITECTURE §5a).
 
 A real server subprocess with the sim engine and the sim codec. Why not the torch engine on the tiny
 model: 48 concurrent streams long enough to fill a client's buffers take minutes of CPU on a 2-core

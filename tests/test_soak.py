@@ -1,5 +1,5 @@
 """Soak: many requests over REST, WebSocket, gRPC and Riva, some cancelled and some dropped mid-stream, then
-nothing may be left behind (DESIGN §5a: departed clients cost nothing).
+nothing may be left behind (ARCHITECTURE §5a: departed clients cost nothing).
 
 A real server subprocess (so its RSS is its own) with the sim engine and a fast sim cost model: short
 utterances at GPU-like pacing, so hundreds of requests fit in a CI minute on two cores. Every request
@@ -43,8 +43,8 @@ from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
-from orpheus_serve.protocol import SAMPLES_PER_FRAME
-from orpheus_serve.synthesis import PROTOCOLS
+from orpheus_serve.request.types import PROTOCOLS
+from orpheus_serve.token_format import SAMPLES_PER_FRAME
 
 REQUESTS = int(os.environ.get("ORPHEUS_SOAK_REQUESTS", "600"))
 # The stateful decoder runs tiny SNAC on the CPU: tens of milliseconds a frame here, so a smaller run.

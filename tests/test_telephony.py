@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve.api.server import ServerThread
-from orpheus_serve.audio import (
+from orpheus_serve.api.launch import ServerThread
+from orpheus_serve.audio.encoding import (
     CONTENT_TYPES,
     TELEPHONY_FORMATS,
     AudioStreamEncoder,
@@ -32,7 +32,7 @@ from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import AUDIO_FORMAT_NUMBERS
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
-from orpheus_serve.protocol import SAMPLE_RATE
+from orpheus_serve.token_format import SAMPLE_RATE
 from tests.gateway_support import start_server, tiny_config
 
 ALL_INPUTS = np.arange(-32768, 32768, dtype=np.int16)

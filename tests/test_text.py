@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from orpheus_serve.protocol import EMOTION_TAGS
-from orpheus_serve.text import normalize_text, split_text
+from orpheus_serve.request.text import normalize_text, split_text
+from orpheus_serve.token_format import EMOTION_TAGS
 
 
 def test_normalize_quotes_dashes_spaces_and_invisible_characters() -> None:

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from orpheus_serve.config import StreamInputConfig
-from orpheus_serve.protocol import SAMPLE_RATE
-from orpheus_serve.synthesis import InvalidRequestError
-from orpheus_serve.text import speech_chunks
-from orpheus_serve.text_stream import TextChunk, TextStream
-from orpheus_serve.word_timings import AudioEnvelope, estimate_word_timings, speech_bounds, words_of
+from orpheus_serve.request.errors import InvalidRequestError
+from orpheus_serve.request.text import speech_chunks
+from orpheus_serve.request.text_stream import TextStream
+from orpheus_serve.request.types import TextChunk
+from orpheus_serve.service.word_timings import AudioEnvelope, estimate_word_timings, speech_bounds, words_of
+from orpheus_serve.token_format import SAMPLE_RATE
 
 
 class Clock:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from scripts.make_tiny_models import main as make_tiny_models
 
 
@@ -65,7 +65,7 @@ def test_make_tiny_models_is_deterministic(tmp_path: Path, tiny_orpheus: Path) -
 
 
 def test_tensorrt_preset_has_a_head_size_the_attention_plugin_takes() -> None:
-    from orpheus_serve.tiny_models import llama_config
+    from orpheus_serve.weights.tiny import llama_config
     from tests.test_trtllm_gpu import TRT_PRESET
 
     config = llama_config(TRT_PRESET)
@@ -74,7 +74,7 @@ def test_tensorrt_preset_has_a_head_size_the_attention_plugin_takes() -> None:
 
 
 def test_3b_preset_is_the_orpheus_3b_shape() -> None:
-    from orpheus_serve.tiny_models import llama_config
+    from orpheus_serve.weights.tiny import llama_config
 
     config = llama_config("3b")
     assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (28, 3072, 8192)

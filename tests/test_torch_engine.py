@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.__main__ import main as cli_main
 from orpheus_serve.config import load_config
 from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.engines.memory import kv_bytes_per_slot, plan_memory
 from orpheus_serve.engines.torch_engine import TorchEngine
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan
-from orpheus_serve.tiny_models import llama_config, llama_weights
+from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan
+from orpheus_serve.weights.tiny import llama_config, llama_weights
 
 GREEDY = SamplingParams(temperature=0.0)
 

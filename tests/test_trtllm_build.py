@@ -34,8 +34,8 @@ from orpheus_serve.engines.trtllm_build import (
 )
 from orpheus_serve.engines.trtllm_env import engine_mismatch, read_manifest
 from orpheus_serve.engines.vram_budget import GIB, ORPHEUS_3B
-from orpheus_serve.protocol import BOS, PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
-from orpheus_serve.tiny_models import write_tokenizer
+from orpheus_serve.token_format import BOS, PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
+from orpheus_serve.weights.tiny import write_tokenizer
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0), free_bytes=78 * GIB, total_bytes=80 * GIB)
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0), free_bytes=78 * GIB, total_bytes=80 * GIB)

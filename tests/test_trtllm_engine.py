@@ -40,7 +40,8 @@ from orpheus_serve.engines.trtllm_engine import (
     trtllm_sampling_kwargs,
 )
 from orpheus_serve.engines.vram_budget import ORPHEUS_3B, LlamaDims, kv_bytes_per_slot
-from orpheus_serve.protocol import (
+from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.token_format import (
     AUDIO_TOKEN_BASE,
     BOS,
     CODEBOOK_SIZE,
@@ -51,7 +52,6 @@ from orpheus_serve.protocol import (
     VOCAB_SIZE,
     FrameParser,
 )
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 STEP_WAIT_S = 0.2
 
@@ -475,10 +475,10 @@ def test_dead_executor_fails_every_open_session_and_stops_admission() -> None:
     from orpheus_serve.codec.sim import SimDecoder
     from orpheus_serve.codec.worker import CodecWorker
     from orpheus_serve.config import SchedulerConfig
-    from orpheus_serve.engine_core import EngineCore
+    from orpheus_serve.core.engine_core import EngineCore
+    from orpheus_serve.request.errors import ServiceUnavailableError
     from orpheus_serve.scheduler import Scheduler, SchedulerEvent, SessionFailed, SessionFinished
     from orpheus_serve.scheduler.session import SessionRequest
-    from orpheus_serve.synthesis import ServiceUnavailableError
 
     fake = FakeLLM(frames_per_request=200)
     settings = TrtLlmEngineSettings(engine_dir="unused", num_slots=4, max_seq_len=4096, step_wait_s=0.02)

@@ -21,7 +21,7 @@ from orpheus_serve.engines.trtllm_env import (
     is_supported_version,
     read_manifest,
 )
-from orpheus_serve.step import EngineError
+from orpheus_serve.scheduler.step import EngineError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_COMPLETE = describe_missing_tensorrt(trtllm_env.probe_trtllm_version(), trtllm_env.probe_cuda_device_count()) is None
@@ -90,7 +90,7 @@ def test_backends_are_imported_only_when_selected(tmp_path: Path) -> None:
         "import sys\n"
         "import orpheus_serve.engines.factory, orpheus_serve.engines.trtllm_engine, orpheus_serve.engines.trtllm_build\n"
         "from orpheus_serve.config import load_config\n"
-        "from orpheus_serve.step import EngineError\n"
+        "from orpheus_serve.scheduler.step import EngineError\n"
         "from orpheus_serve.engines import trtllm_env\n"
         "trtllm_env.probe_cuda_device_count = lambda: 0\n"
         "try:\n"

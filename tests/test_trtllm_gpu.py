@@ -20,9 +20,9 @@ from orpheus_serve.config import DEFAULT_CONFIG_PATH, load_config
 from orpheus_serve.engines.trtllm_build import main as build_main
 from orpheus_serve.engines.trtllm_engine import TrtLlmEngine
 from orpheus_serve.engines.vram_budget import supports_fp8
-from orpheus_serve.protocol import FrameParser, build_prompt_ids
-from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
-from orpheus_serve.tiny_models import write_tiny_models
+from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.token_format import FrameParser, build_prompt_ids
+from orpheus_serve.weights.tiny import write_tiny_models
 
 TRT_PRESET = "tiny-trt"
 

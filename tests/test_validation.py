@@ -10,23 +10,24 @@ from typing import Any
 import pytest
 from fake_tensorrt_llm import FakeLLM, FakeSamplingParams
 
-from orpheus_serve import protocol
+from orpheus_serve import token_format
 from orpheus_serve.config import SamplingConfig, load_config
 from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.engines.trtllm_engine import TrtLlmEngine, TrtLlmEngineSettings
-from orpheus_serve.service_builder import load_tokenizer
-from orpheus_serve.step import SEED_MAX, PrefillChunk, SamplingParams, StepPlan
-from orpheus_serve.synthesis import InvalidRequestError, SynthesisRequest
-from orpheus_serve.text import TEXT_CHUNK_CHARS, has_speech, normalize_text
-from orpheus_serve.validation import Limits, Range, field_range, validate_request
+from orpheus_serve.request.errors import InvalidRequestError
+from orpheus_serve.request.text import TEXT_CHUNK_CHARS, has_speech, normalize_text
+from orpheus_serve.request.types import SynthesisRequest
+from orpheus_serve.request.validation import Limits, Range, field_range, validate_request
+from orpheus_serve.scheduler.step import SEED_MAX, PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.service.build import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def prompt_len(tiny_orpheus: Path) -> Callable[[str, str], int]:
     tokenizer = load_tokenizer(tiny_orpheus)
-    return lambda voice, text: len(protocol.build_prompt_ids(tokenizer, voice, text))
+    return lambda voice, text: len(token_format.build_prompt_ids(tokenizer, voice, text))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_bounds_are_the_config_fields_own_limits_and_the_engines() -> None:
     assert field_range(SamplingConfig, "repetition_penalty") == Range(1.0, 3.0)
     assert field_range(SamplingConfig, "max_tokens") == Range(7)
     limits = Limits.from_config(load_config(env={}), max_seq_len=4096, chunk_chars=200)
-    assert limits.top_k == Range(0, protocol.VOCAB_SIZE)  # the config says >= 0; the vocabulary says the rest
+    assert limits.top_k == Range(0, token_format.VOCAB_SIZE)  # the config says >= 0; the vocabulary says the rest
     assert (limits.max_text_chars, limits.max_prompt_tokens, limits.max_seq_len) == (4096, 8192, 4096)
     longform = Limits.from_config(load_config(profile="longform", env={},
                                               overrides={"profiles.longform.max_prompt_tokens": 4000}),
@@ -51,7 +52,7 @@ def test_bounds_are_the_config_fields_own_limits_and_the_engines() -> None:
 
 def test_a_valid_request_comes_back_normalised_resolved_and_clamped(limits: Limits, prompt_len) -> None:
     req = SynthesisRequest(text="  \u201cHi\u201d <LAUGH> there\U0001F600 <b>friend</b>\u2026 ", voice="Alloy",
-                           temperature=0, top_p=1, top_k=protocol.VOCAB_SIZE, repetition_penalty=3,
+                           temperature=0, top_p=1, top_k=token_format.VOCAB_SIZE, repetition_penalty=3,
                            max_tokens=10**30, seed=SEED_MAX, constrained=False, request_id="a" * 128)
     out = validate_request(req, limits, prompt_len=prompt_len)
     assert out.text == '"Hi" <laugh> there friend...'
@@ -68,7 +69,7 @@ def bad(**fields: Any) -> SynthesisRequest:
 
 @pytest.mark.parametrize(("request_", "param", "message"), [
     (bad(top_k=2**63), "top_k", "top_k must be an integer in [0, 156940]"),
-    (bad(top_k=protocol.VOCAB_SIZE + 1), "top_k", "top_k must be an integer in [0, 156940]"),
+    (bad(top_k=token_format.VOCAB_SIZE + 1), "top_k", "top_k must be an integer in [0, 156940]"),
     (bad(top_k=-1), "top_k", "top_k must be an integer"),
     (bad(top_k=True), "top_k", "top_k must be an integer"),
     (bad(top_k=4.0), "top_k", "top_k must be an integer"),
@@ -144,7 +145,7 @@ def test_text_hygiene() -> None:
 
 
 def chunk(sampling: SamplingParams) -> PrefillChunk:
-    ids = (protocol.START_OF_HUMAN, protocol.BOS, 1000, 1001, 1002, *protocol.PROMPT_SUFFIX)
+    ids = (token_format.START_OF_HUMAN, token_format.BOS, 1000, 1001, 1002, *token_format.PROMPT_SUFFIX)
     return PrefillChunk(slot=0, request_id="r", prompt_ids=ids, start=0, end=len(ids), sampling=sampling)
 
 

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 
-from orpheus_serve.api.server import ServerThread
+from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client.protocols import stream_url
-from orpheus_serve.protocol import SAMPLE_RATE
-from orpheus_serve.service import TTSService
-from orpheus_serve.word_timings import words_of
+from orpheus_serve.service.build import build_service
+from orpheus_serve.service.word_timings import words_of
+from orpheus_serve.token_format import SAMPLE_RATE
 from tests.gateway_support import stats, tiny_config
 
 REPLY = "Sure, I can help with that. The weather today is sunny, with a light breeze. Anything else?"
@@ -35,7 +35,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 42}
 @pytest.fixture(scope="module")
 def server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None):
     config = tiny_config(tiny_orpheus, tiny_snac, **{"scheduler.admission": "slots"})
-    srv = ServerThread(config, TTSService.from_config(config, record_tokens=True)).start()
+    srv = ServerThread(config, build_service(config, record_tokens=True)).start()
     yield srv
     srv.stop()
 

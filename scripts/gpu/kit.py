@@ -184,7 +184,7 @@ def machine_label(env: dict[str, Any]) -> str:
 
 def ensure_models(work: Path, shapes: Shapes) -> tuple[Path, Path]:
     """(Llama folder, SNAC folder): written once per machine under `work`."""
-    from orpheus_serve.tiny_models import write_llama, write_snac
+    from orpheus_serve.weights.tiny import write_llama, write_snac
 
     models = work / "models"
     llama = models / f"orpheus-{shapes.preset}"
@@ -316,7 +316,7 @@ def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, An
     from orpheus_serve.codec.base import CodecPush
     from orpheus_serve.codec.loader import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
-    from orpheus_serve.protocol import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
+    from orpheus_serve.token_format import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
 
     env = environment()
     llama, snac_dir = ensure_models(work, shapes)
@@ -389,9 +389,9 @@ def stage_codec(shapes: Shapes, work: Path, dry_run: bool) -> tuple[dict[str, An
 def _codec_engine_overlap(shapes: Shapes, llama: Path, decoder: Any,
                           codec_passes: Callable[..., list[float]]) -> dict[str, Any]:
     """Engine decode steps and codec passes on their own streams, each alone, then both at once."""
-    from orpheus_serve import protocol as P
+    from orpheus_serve import token_format as P
     from orpheus_serve.engines.torch_engine import TorchEngine
-    from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
+    from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
 
     batch = shapes.overlap_batch
     engine = TorchEngine(llama, num_slots=batch, max_seq_len=64 + 2 * shapes.overlap_steps + 16,

@@ -10,7 +10,7 @@
 # the project's own environment is tested with. grpcio and protobuf travel too because the committed
 # gRPC stubs need at least the versions that generated them, which the box's own may not be.
 # av (PyAV: mp3/opus/aac/flac) is the largest; it is left out when the folder would pass the limit,
-# and the box then serves pcm and wav at the model's rate only (audio.py refuses the rest with a
+# and the box then serves pcm and wav at the model's rate only (audio/encoding.py refuses the rest with a
 # clear error naming PyAV).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

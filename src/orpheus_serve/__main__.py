@@ -17,7 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("orpheus_serve.engines.cli", "generate audio token ids with the token engine alone"),
     "decode": ("orpheus_serve.codec.cli", "decode audio token ids to a WAV"),
-    "synthesize": ("orpheus_serve.service_cli", "text to WAV through the whole service, in-process"),
+    "synthesize": ("orpheus_serve.service.cli", "text to WAV through the whole service, in-process"),
 }
 
 

@@ -45,7 +45,7 @@ class SchedulerConfig(_Strict):
     policy: Literal["fair", "deadline"] = "fair"
     deadline_yield_s: float = Field(1.0, ge=0)
     deadline_stalled_max_wait_s: float = Field(5.0, ge=0)
-    # Flow control (DESIGN §5a): what a session may run ahead of its codec and its client.
+    # Flow control (ARCHITECTURE §5a): what a session may run ahead of its codec and its client.
     max_undecoded_frames: int = Field(12, ge=2, le=4096)  # generated, not yet decoded: past it, no decode steps
     max_client_buffer_s: float = Field(3.0, gt=0)  # audio the client holds unplayed: past it, the session waits
     max_server_buffer_s: float = Field(2.0, gt=0)  # decoded audio not yet taken by the client's socket
@@ -177,10 +177,10 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     playground: bool = True  # the web page at / and /playground (static files, no internet needed)
     # The engine core (scheduler, engine, codec worker) in a process of its own, fed over ZeroMQ
-    # (mp_client.py); false: threads of this process (engine_client.InprocClient).
+    # (mp_client.py); false: threads of this process (core.client.InprocClient).
     engine_process: bool = False
     # API processes (HTTP/WebSocket + gRPC, sharing the ports with SO_REUSEPORT) in front of the one engine
-    # core (api/api_processes.py); more than 1 needs engine_process.
+    # core (api/process_group.py); more than 1 needs engine_process.
     api_processes: int = Field(1, ge=1, le=64)
     restart_core: bool = True  # start a dead engine-core process again; false: the server exits non-zero
     restart_api_processes: bool = True  # start a dead API process (1..N-1) again; false: the server exits non-zero
@@ -195,7 +195,7 @@ class ServerConfig(_Strict):
 
 
 class StreamInputConfig(_Strict):
-    """Incremental text (contexts, DESIGN §5b): when text that arrives in pieces becomes a generation chunk."""
+    """Incremental text (contexts, ARCHITECTURE §5b): when text that arrives in pieces becomes a generation chunk."""
 
     # A clause boundary (, ; : or a dash) cuts a chunk once this much text precedes it; a sentence end always does.
     min_chunk_chars: int = Field(24, ge=1, le=200)

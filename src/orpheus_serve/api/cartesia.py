@@ -3,7 +3,7 @@
 The agent frameworks (LiveKit Agents' Cartesia plugin, Pipecat's
 `CartesiaTTSService`, the `cartesia` SDK) speak this protocol; pointing their
 base URL here is all they need. Each context on a socket is one incremental-
-text request (DESIGN §5b): its `TextStream` takes the transcripts as they come
+text request (ARCHITECTURE §5b): its `TextStream` takes the transcripts as they come
 and its audio streams back as the text is cut into chunks. Many contexts run
 on one socket at once.
 
@@ -51,17 +51,19 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from ..audio.pcm import pcm16_to_float
 from ..config import StreamInputConfig
-from ..protocol import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
-from ..synthesis import ChunkTimings, ClientStalledError, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
+from ..request.errors import ClientStalledError, InvalidRequestError, SynthesisError
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, SynthesisRequest
+from ..token_format import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
 from .errors import TooManyConnectionsError, UnauthorizedError, mapping_for
-from .gateway import Gateway, OutputOptions, SpeechStream
+from .gateway import Gateway, OutputOptions
+from .json_frames import json_object_frame
 
 if TYPE_CHECKING:
     from starlette.types import Message
@@ -152,11 +154,6 @@ def resolve_cartesia_voice(voice: Voice) -> str:
                      voice.id, DEFAULT_VOICE)
             return DEFAULT_VOICE
         raise
-
-
-def to_float32(pcm: bytes) -> bytes:
-    """16-bit little-endian PCM as 32-bit little-endian floats in [-1, 1)."""
-    return (np.frombuffer(pcm, "<i2").astype("<f4") / 32768.0).astype("<f4").tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,23 +322,10 @@ class CartesiaConnection:
     # ---- client messages
 
     async def _handle(self, incoming: _Incoming) -> None:
-        text = incoming.message.get("text")
-        if text is None:
-            await self._error(InvalidRequestError("binary messages are not accepted; send JSON text messages"))
-            return
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
-            await self._error(InvalidRequestError(f"message is not valid JSON: {exc.msg}"))
-            return
-        except RecursionError:
-            await self._error(InvalidRequestError("message nests JSON arrays or objects too deeply"))
-            return
-        except ValueError as exc:  # an integer of more digits than Python converts
-            await self._error(InvalidRequestError(f"message is not acceptable JSON: {exc}"))
-            return
-        if not isinstance(body, dict):
-            await self._error(InvalidRequestError("a message must be a JSON object"))
+            body = json_object_frame(incoming.message)
+        except InvalidRequestError as exc:
+            await self._error(exc)
             return
         raw_id = body.get("context_id")
         context_id = raw_id if isinstance(raw_id, str) and 0 < len(raw_id) <= 256 else None
@@ -459,14 +443,14 @@ class CartesiaConnection:
         assert stream is not None  # admit returns None only with a `disconnected` probe
         speaking = asyncio.current_task()
         assert speaking is not None
-        watcher = asyncio.create_task(self._cancel_when_stalled(stream, speaking))
+        watcher = asyncio.create_task(stream.cancel_when_stalled(speaking.cancel))
         last = received_at  # the first chunk's step time is its time to first audio
         stalled: ClientStalledError | None = None
         try:
             async for event in stream.events():
                 if isinstance(event, bytes):
                     now = time.perf_counter()
-                    data = to_float32(event) if spec.float32 else event
+                    data = pcm16_to_float(event).tobytes() if spec.float32 else event
                     await self._send(_reply("chunk", ctx.context_id, data=base64.b64encode(data).decode("ascii"),
                                             done=False, status_code=206, step_time=round((now - last) * 1000, 3)))
                     last = now
@@ -491,11 +475,6 @@ class CartesiaConnection:
             watcher.cancel()
             await stream.close(stalled)
         await self._send(_reply("done", ctx.context_id, done=True, status_code=200))
-
-    @staticmethod
-    async def _cancel_when_stalled(stream: SpeechStream, speaking: asyncio.Task[Any]) -> None:
-        await stream.stalled.wait()
-        speaking.cancel()
 
 
 # ---------------------------------------------------------------- auth and route

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from ..synthesis import (
+from ..request.errors import (
     ClientStalledError,
     EngineFailureError,
     InvalidRequestError,

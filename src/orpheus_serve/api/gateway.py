@@ -40,28 +40,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..audio import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
+from ..audio.encoding import CONTENT_TYPES, AudioOptionError, AudioStreamEncoder, check_output_options
 from ..config import Config
-from ..metrics import ServingMetrics
-from ..protocol import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
-from ..stats import merge_api_processes
-from ..synthesis import (
-    PROTOCOLS,
-    AudioChunk,
-    ChunkTimings,
-    ClientStalledError,
-    InvalidRequestError,
-    ProtocolName,
-    ServiceUnavailableError,
-    SynthesisError,
-    SynthesisMetrics,
-    SynthesisRequest,
-)
+from ..metrics.prometheus import ServingMetrics
+from ..metrics.stats import merge_api_processes
+from ..request.errors import ClientStalledError, InvalidRequestError, ServiceUnavailableError, SynthesisError
+from ..request.types import PROTOCOLS, AudioChunk, ChunkTimings, ProtocolName, SynthesisMetrics, SynthesisRequest
+from ..token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES
 from .errors import TooManyConnectionsError, UnauthorizedError
 
 if TYPE_CHECKING:
-    from ..service import TTSService
-    from ..stats import ServiceSnapshot
+    from ..metrics.stats import ServiceSnapshot
+    from ..service.service import TTSService
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +197,7 @@ class Gateway:
 
     def readiness(self) -> Literal["ready", "warming_up", "shutting_down", "engine_failed", "saturated"]:
         """What /ready says. `engine_failed`: the engine fails every step, nothing can be served.
-        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (DESIGN §5a);
+        `saturated`: serving, but the pipeline is behind or at capacity with nowhere to queue (ARCHITECTURE §5a);
         it clears by itself."""
         if self.shutting_down:
             return "shutting_down"
@@ -380,6 +370,12 @@ class SpeechStream:
     def content_type(self) -> str:
         return CONTENT_TYPES[self.output.format]
 
+    async def cancel_when_stalled(self, cancel: Callable[[], object]) -> None:
+        """Call `cancel` once the client is reported stalled (ARCHITECTURE §5a). Every adapter runs this
+        beside the task that writes the stream, with that task's (or its scope's) cancel."""
+        await self.stalled.wait()
+        cancel()
+
     async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an encoder call off the loop unless it is a plain copy. Calls of one stream never overlap."""
         if self.output.passthrough:
@@ -460,7 +456,7 @@ class SpeechStream:
 
     async def events(self) -> AsyncIterator[bytes | ChunkTimings]:
         """`audio()`'s bytes with each text chunk's ChunkTimings in order, after that chunk's audio
-        (incremental-text requests and requests with timestamps; see synthesis.ChunkTimings)."""
+        (incremental-text requests and requests with timestamps; see request.types.ChunkTimings)."""
         item = self._head
         self._head = None
         encoder = self.encoder

@@ -23,12 +23,13 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..audio import default_sample_rate
+from ..audio.encoding import default_sample_rate
 from ..proto import AUDIO_FORMAT_NAMES
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..synthesis import InvalidRequestError, ProtocolName, SynthesisError, SynthesisRequest
-from ..validation import check_request_id
+from ..request.errors import InvalidRequestError, SynthesisError
+from ..request.types import ProtocolName, SynthesisRequest
+from ..request.validation import check_request_id
 from .errors import UnauthorizedError, grpc_status
 from .gateway import Gateway, OutputOptions, voice_list
 

@@ -30,10 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from ..audio import CONTENT_TYPES
+from ..audio.encoding import CONTENT_TYPES
 from ..config import Config
-from ..metrics import PROMETHEUS_CONTENT_TYPE
-from ..synthesis import InvalidRequestError, SynthesisError
+from ..metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+from ..request.errors import InvalidRequestError, SynthesisError
+from .cartesia import add_cartesia_route
 from .errors import UnauthorizedError, error_body, http_headers, mapping_for, openai_error_body
 from .gateway import Gateway, SpeechService, SpeechStream, voice_list
 from .schemas import (
@@ -220,12 +221,7 @@ class SpeechResponse(StreamingResponse):
         error: BaseException | None = None
         try:
             async with anyio.create_task_group() as group:
-
-                async def drop_when_stalled() -> None:
-                    await self.stream.stalled.wait()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(drop_when_stalled)
+                group.start_soon(self.stream.cancel_when_stalled, group.cancel_scope.cancel)
                 await super().__call__(scope, receive, send)
                 group.cancel_scope.cancel()
         except BaseException as exc:
@@ -344,11 +340,29 @@ async def _client_disconnected(request: Request) -> None:
 
 
 def create_app(service: SpeechService, config: Config, *, gateway: Gateway | None = None) -> FastAPI:
-    """The HTTP + WebSocket app. Pass `gateway` to share limits and metrics with a gRPC server."""
+    """The HTTP + WebSocket app: every route the server serves, composed here and only here, for one API
+    process, each of N API processes and a Ray Serve replica alike (ARCHITECTURE §7). Pass `gateway` to
+    share limits and metrics with a gRPC server."""
     gateway = gateway if gateway is not None else Gateway(service, config)
     app = FastAPI(title="orpheus-serve", version=__version__,
                   description="Streaming Orpheus text-to-speech, OpenAI-compatible.")
     app.state.gateway = gateway
+    add_error_handlers(app, gateway)
+    add_service_routes(app, gateway)
+    add_speech_route(app, gateway)
+    add_stream_route(app, gateway)
+    add_cartesia_route(app, gateway)
+    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
+    if config.server.playground:
+        add_playground(app)
+    # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
+    return app
+
+
+def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    """Every error, FastAPI's and Starlette's included, as an OpenAI-style error body."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -383,6 +397,10 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(openai_error_body("internal server error", type="server_error", code="internal_error"),
                             status_code=500)
+
+
+def add_service_routes(app: FastAPI, gateway: Gateway) -> None:
+    """Health, readiness, the model and voice lists, stats and Prometheus metrics."""
 
     @app.get("/health", response_model=HealthBody)
     async def health() -> dict[str, str]:
@@ -424,6 +442,10 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+
+def add_speech_route(app: FastAPI, gateway: Gateway) -> None:
+    """POST /v1/audio/speech: OpenAI's speech endpoint, streamed (raw audio or SSE)."""
+
     @app.post(SPEECH_PATH, response_class=StreamingResponse, responses=_SPEECH_RESPONSES)
     async def create_speech(body: Annotated[SpeechRequestBody, Body(openapi_examples=_SPEECH_EXAMPLES)],
                             request: Request) -> Response:
@@ -442,21 +464,16 @@ def create_app(service: SpeechService, config: Config, *, gateway: Gateway | Non
             return SpeechResponse(stream, _sse_events(stream), media_type="text/event-stream", headers=headers)
         return SpeechResponse(stream, stream.audio(), media_type=stream.content_type, headers=headers)
 
-    add_stream_route(app, gateway)
-    app.openapi = lambda: _openapi_document(app, bearer=gateway.auth_required)  # type: ignore[method-assign]
-    if config.server.playground:
-        # The page refers to its files and to the API by relative URLs, so the same file works at / and at
-        # /playground, and under a proxy's path prefix.
-        @app.get("/", include_in_schema=False)
-        @app.get("/playground", include_in_schema=False)
-        async def playground() -> FileResponse:
-            return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-        app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
-    # Added last = outermost: the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, gateway=gateway)
-    return app
+def add_playground(app: FastAPI) -> None:
+    # The page refers to its files and to the API by relative URLs, so the same file works at / and at
+    # /playground, and under a proxy's path prefix.
+    @app.get("/", include_in_schema=False)
+    @app.get("/playground", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/playground/static", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
 
 def _openapi_document(app: FastAPI, *, bearer: bool) -> dict[str, Any]:

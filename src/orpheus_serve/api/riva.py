@@ -40,10 +40,11 @@ from google.protobuf.message import Message
 from riva.client.proto import riva_audio_pb2 as riva_audio
 from riva.client.proto import riva_tts_pb2 as rtts
 
-from ..audio import default_sample_rate, supported_sample_rates
-from ..protocol import SAMPLE_RATE, VOICES
-from ..synthesis import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
+from ..audio.encoding import default_sample_rate, supported_sample_rates
+from ..request.errors import InvalidRequestError, SynthesisError
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, SynthesisRequest
+from ..token_format import SAMPLE_RATE, VOICES
 from .gateway import Gateway, OutputOptions, SpeechStream
 from .grpc_server import (
     GrpcGateway,

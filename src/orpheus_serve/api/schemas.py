@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from ..audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat, default_sample_rate
-from ..synthesis import InvalidRequestError, SynthesisRequest
-from ..validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, documented_ranges
+from ..audio.encoding import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, AudioFormat, default_sample_rate
+from ..request.errors import InvalidRequestError
+from ..request.types import SynthesisRequest
+from ..request.validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, documented_ranges
 from .gateway import OutputOptions
 
 _RANGES = documented_ranges()
@@ -249,7 +250,7 @@ class GatewayStats(_Snapshot):
 
 
 class StatsBody(_Snapshot):
-    """GET /v1/stats: the scheduler, KV-cache and throughput snapshot (DESIGN §7)."""
+    """GET /v1/stats: the scheduler, KV-cache and throughput snapshot (ARCHITECTURE §7)."""
 
     scheduler: SchedulerStats
     kv_cache: KvCacheStats

@@ -1,9 +1,10 @@
 """One process, one asyncio loop: uvicorn (HTTP + WebSocket) and grpc.aio in front of one TTSService.
 
-With `server.engine_process` the service's engine core runs in a process of its own, which this
-one starts and supervises (mp_client.py); if it dies for good the server stops with exit code 1.
-With `server.api_processes` > 1 this process (API process 0) also starts and supervises the other
-API processes, each an OrpheusServer of its own on the same ports (api_processes.py).
+With `server.engine_process` the service's engine core runs in a process of its own, which the
+service's client starts and supervises (core/mp_client.py); if it dies for good the server stops with
+exit code 1. With `server.api_processes` > 1, API process 0 also starts and supervises the other API
+processes (its `peers`), each an OrpheusServer of its own on the same ports: launch.py decides which
+(ARCHITECTURE §7); this module knows neither the process group nor the multiprocess client.
 
 Start-up order: bind both ports (so /health answers and /ready says
 `warming_up` at once), then `service.start()` warms the model, then /ready and
@@ -14,8 +15,8 @@ server.shutdown_grace_s, cancel the rest, then close the listeners.
 
 `OrpheusServer` is usable in-process with port 0 (tests, benchmarks): the
 bound ports are in `http_port` / `grpc_port` once `start()` returns.
-`ServerThread` runs one on a loop of its own in a background thread, for
-synchronous callers.
+`launch.ServerThread` runs one on a loop of its own in a background thread,
+for synchronous callers.
 """
 
 from __future__ import annotations
@@ -26,18 +27,14 @@ import logging
 import signal
 import socket
 import struct
-import sys
-import threading
-from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import uvicorn
 
 from ..config import Config
-from ..mp_client import MPClient
-from ..stats import api_process_figures
-from .cartesia import add_cartesia_route
+from ..metrics.stats import api_process_figures
 from .gateway import Gateway
 from .grpc_server import GrpcGateway
 from .http import create_app
@@ -45,15 +42,31 @@ from .riva import RivaSpeechSynthesisService
 from .websocket import WebSocketProtocol
 
 if TYPE_CHECKING:
-    from ..service import TTSService
-    from .api_processes import ApiProcessGroup
+    from ..service.service import TTSService
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 # How long uvicorn waits for connections after the service has drained: only idle keep-alives are left by then.
 _LISTENER_CLOSE_S = 2.0
+
+
+class ApiPeers(Protocol):
+    """The other API processes that API process 0 starts and stops (api.process_group.ApiProcessGroup)."""
+
+    failed: asyncio.Event  # set when one died and is not started again: the server stops with exit code 1
+
+    async def start(self, http_port: int, grpc_port: int) -> None: ...
+
+    async def stop(self, grace_s: float) -> None: ...
+
+
+class CounterRelay(Protocol):
+    """Carries each API process's own counters to the others (core.mp_client.MPClient)."""
+
+    figures_source: Callable[[], dict[str, Any]] | None
+    api_figures: dict[int, dict[str, Any]]
+
+    def stats(self) -> Any: ...
 
 
 class _UvicornServer(uvicorn.Server):
@@ -88,22 +101,18 @@ def tiny_model_banner(info: Any) -> str:
 
 
 class OrpheusServer:
-    def __init__(self, config: Config, service: TTSService | None = None, *, api_index: int = 0) -> None:
-        if service is None:
-            from ..service import TTSService
+    """One API process's listeners in front of its `TTSService`. `peers`: the other API processes, when this
+    is API process 0 of several (launch.build_server); they start before this one warms up and stop first."""
 
-            service = TTSService.from_config(config)
+    def __init__(self, config: Config, service: TTSService, *, api_index: int = 0,
+                 peers: ApiPeers | None = None) -> None:
         self.config = config
         self.service = service
         self.api_index = api_index
         self.gateway = Gateway(service, config)
-        self._api_group: ApiProcessGroup | None = None
-        client = getattr(service, "client", None)
-        if config.server.api_processes > 1 and isinstance(client, MPClient):
-            self._share_counters(client)
+        self._peers = peers
         self.gateway.connection_resetter = self._reset_connection
         self.app = create_app(service, config, gateway=self.gateway)
-        add_cartesia_route(self.app, self.gateway)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._uvicorn: _UvicornServer | None = None
@@ -113,8 +122,8 @@ class OrpheusServer:
         self.exit_code = 0  # 1 when the server stopped because its engine core (or an API process) died
         self._stop = asyncio.Event()  # set by SIGTERM/SIGINT or request_stop(): serve_until_signalled stops
 
-    def _share_counters(self, client: MPClient) -> None:
-        """Every API process's /v1/stats sums all of their counters (api_processes.py)."""
+    def share_counters(self, client: CounterRelay) -> None:
+        """Every API process's /v1/stats sums all of their counters (server.api_processes > 1)."""
         tally = self.service.tally
         metrics = self.gateway.metrics
 
@@ -131,6 +140,7 @@ class OrpheusServer:
         client.figures_source = own
         self.gateway.api_processes = every
         metrics.peer_figures = peers
+
     @property
     def host(self) -> str:
         return self.config.server.host
@@ -184,14 +194,10 @@ class OrpheusServer:
         if self._uvicorn_task is None:
             await self.open_listeners()
         assert self._uvicorn_task is not None and self._grpc is not None
-        client = getattr(self.service, "client", None)
-        if self.api_index == 0 and self.config.server.api_processes > 1 and isinstance(client, MPClient):
+        if self._peers is not None:
             # The other API processes warm up first: once this one is ready, all are.
-            from .api_processes import ApiProcessGroup
-
             assert self.http_port is not None and self.grpc_port is not None
-            self._api_group = ApiProcessGroup(self.config, client)
-            await self._api_group.start(self.http_port, self.grpc_port)
+            await self._peers.start(self.http_port, self.grpc_port)
         await self.service.start()
         # Starlette streams every response through anyio, whose asyncio backend loads on first use: load it
         # now rather than inside the first client's time to first byte (hundreds of ms on a busy disk).
@@ -214,10 +220,10 @@ class OrpheusServer:
         self.gateway.shutting_down = True
         if self._grpc is not None:
             await self._grpc.set_serving(False)
-        if self._api_group is not None:
+        if self._peers is not None:
             # This process's streams go on meanwhile; the core stops only after every API process is done.
             started = asyncio.get_running_loop().time()
-            await self._api_group.stop(grace)
+            await self._peers.stop(grace)
             grace = max(0.0, grace - (asyncio.get_running_loop().time() - started))
         await self.service.shutdown(grace)
         # The service has finished or cancelled every session; let the gateway write what is left.
@@ -270,8 +276,8 @@ class OrpheusServer:
                 waits = [asyncio.ensure_future(stop.wait())]
                 if fatal is not None:
                     waits.append(asyncio.ensure_future(fatal.wait()))
-                if self._api_group is not None:
-                    waits.append(asyncio.ensure_future(self._api_group.failed.wait()))
+                if self._peers is not None:
+                    waits.append(asyncio.ensure_future(self._peers.failed.wait()))
                 try:
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -280,83 +286,9 @@ class OrpheusServer:
                 if fatal is not None and fatal.is_set():
                     log.critical("the engine core is gone and is not restarted; stopping with exit code 1")
                     self.exit_code = 1
-                if self._api_group is not None and self._api_group.failed.is_set():
+                if self._peers is not None and self._peers.failed.is_set():
                     log.critical("an API process died; stopping with exit code 1")
                     self.exit_code = 1
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-
-
-def run_server(config: Config) -> int:
-    """Build the service from config and serve until a signal (production_server.py)."""
-    # The engine, codec and event-loop threads hand the interpreter lock to each other many
-    # times per decode step; Python's default 5 ms switch interval would add up to that much
-    # to every step a thread waits for. A process-wide setting, so it is made here, once.
-    sys.setswitchinterval(config.server.switch_interval_ms / 1000.0)
-    server = OrpheusServer(config)
-    asyncio.run(server.serve_until_signalled())
-    return server.exit_code
-
-
-class ServerThread:
-    """An OrpheusServer on its own event loop in a background thread (tests, benchmarks, notebooks).
-
-        with ServerThread(config, service) as server:
-            httpx.get(f"http://127.0.0.1:{server.http_port}/ready")
-    """
-
-    def __init__(self, config: Config, service: TTSService | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="orpheus-server", daemon=True)
-        self._thread.start()
-        self.server: OrpheusServer = self.call(self._build(config, service))
-
-    @staticmethod
-    async def _build(config: Config, service: TTSService | None) -> OrpheusServer:
-        # Built on the server's loop: the service may bind loop-affine state in its constructor.
-        return OrpheusServer(config, service)
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 120.0) -> T:
-        """Run a coroutine on the server's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def http_port(self) -> int:
-        assert self.server.http_port is not None
-        return self.server.http_port
-
-    @property
-    def grpc_port(self) -> int:
-        assert self.server.grpc_port is not None
-        return self.server.grpc_port
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def start(self) -> ServerThread:
-        self.call(self.server.start())
-        return self
-
-    def stop(self, grace_s: float | None = None) -> None:
-        try:
-            self.call(self.server.shutdown(grace_s))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-            self.loop.close()
-
-    def __enter__(self) -> ServerThread:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop(0)
-            raise
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

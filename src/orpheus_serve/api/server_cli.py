@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..step import EngineError
-    from .server import run_server
+    from ..scheduler.step import EngineError
+    from .launch import run_server
 
     try:
         return run_server(config)

@@ -55,12 +55,14 @@ from pydantic import ValidationError
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
-from ..protocol import SAMPLE_RATE
-from ..synthesis import ChunkTimings, InvalidRequestError, SynthesisError, SynthesisRequest
-from ..text_stream import TextStream
-from ..validation import is_request_id
+from ..request.errors import InvalidRequestError, SynthesisError
+from ..request.text_stream import TextStream
+from ..request.types import ChunkTimings, SynthesisRequest
+from ..request.validation import is_request_id
+from ..token_format import SAMPLE_RATE
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
-from .gateway import Gateway, SpeechStream
+from .gateway import Gateway
+from .json_frames import json_object_frame
 from .schemas import ContextOpenMessage, ContextTextMessage, StreamRequestMessage, first_validation_error
 
 if TYPE_CHECKING:
@@ -244,23 +246,10 @@ class StreamConnection:
         """Act on one client message; False when the connection must close."""
         message = incoming.message
         assert message is not None
-        if message.get("text") is None:
-            await self._send_error(InvalidRequestError(
-                "binary messages are not accepted; send requests as JSON text messages", param=None))
-            return True
         try:
-            body = json.loads(message["text"])
-        except json.JSONDecodeError as exc:
-            await self._send_error(InvalidRequestError(f"message is not valid JSON: {exc.msg}", param=None))
-            return True
-        except RecursionError:  # "[" * 60000 fits in one message
-            await self._send_error(InvalidRequestError("message nests JSON arrays or objects too deeply", param=None))
-            return True
-        except ValueError as exc:  # an integer of more digits than Python converts (4300)
-            await self._send_error(InvalidRequestError(f"message is not acceptable JSON: {exc}", param=None))
-            return True
-        if not isinstance(body, dict):
-            await self._send_error(InvalidRequestError("a message must be a JSON object", param=None))
+            body = json_object_frame(message)
+        except InvalidRequestError as exc:
+            await self._send_error(exc)
             return True
         if "context_id" in body:
             return await self._handle_context(body, incoming)
@@ -422,7 +411,7 @@ class StreamConnection:
         assert stream is not None
         streaming = asyncio.current_task()
         assert streaming is not None
-        watcher = asyncio.create_task(self._cancel_when_stalled(stream, streaming))
+        watcher = asyncio.create_task(stream.cancel_when_stalled(streaming.cancel))
         speed = stream.output.speed
         try:
             async for event in stream.events():
@@ -449,11 +438,6 @@ class StreamConnection:
             watcher.cancel()
             await stream.close()
         await self._send_json({"done": True, "request_id": request_id, **context, "metrics": stream.metrics_dict()})
-
-    @staticmethod
-    async def _cancel_when_stalled(stream: SpeechStream, streaming: asyncio.Task[Any]) -> None:
-        await stream.stalled.wait()
-        streaming.cancel()
 
 
 def timings_body(timings: ChunkTimings, speed: float = 1.0) -> dict[str, Any]:

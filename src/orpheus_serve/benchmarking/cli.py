@@ -1,4 +1,4 @@
-"""`python benchmark.py`: measure a server the way every run measures it (DESIGN §8).
+"""`python benchmark.py`: measure a server the way every run measures it (ARCHITECTURE §8).
 
     python benchmark.py --mode all --compare baseline --output results/results.json
     python benchmark.py --mode scaling --concurrent 32 --protocol mixed --url http://host:8000 --grpc-addr host:50051
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..protocol import FRAME_SECONDS
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import FRAME_SECONDS
 from .launch import LaunchedServer
 from .runner import (
     LoadSpec,

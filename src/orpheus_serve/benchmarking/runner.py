@@ -1,4 +1,4 @@
-"""Benchmark modes, run from the client side against real servers (DESIGN §8).
+"""Benchmark modes, run from the client side against real servers (ARCHITECTURE §8).
 
     single    one request at a time: TTFB and RTF with nothing else running
     scaling   concurrency 1 -> N (closed loop); the largest concurrency whose p95
@@ -34,8 +34,8 @@ import httpx
 
 from ..client.records import percentile, summarize
 from ..config import SimConfig
-from ..protocol import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
 from .workload import make_workload
 
 

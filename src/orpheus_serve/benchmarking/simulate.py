@@ -9,7 +9,7 @@ client `codec_latency_s` later; the codec holds back its lookahead frames
 until the final push, as the real streaming decoder does. Each client starts
 playback at its first audio and plays continuously; whenever the next audio
 arrives after the buffer ran dry it has an underrun (it stalls, then resumes).
-A stream with no underrun is real-time (DESIGN §8).
+A stream with no underrun is real-time (ARCHITECTURE §8).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import numpy as np
 
 from ..config import SchedulerConfig, SimConfig
 from ..engines.sim_engine import SimEngine
-from ..protocol import FRAME_SECONDS, TEXT_VOCAB_SIZE, TOKENS_PER_FRAME
 from ..scheduler.errors import SchedulerFullError
 from ..scheduler.events import FramesReady, SchedulerEvent, SessionFinished
 from ..scheduler.flush import FlushPolicy
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.session import SessionRequest
-from ..step import SamplingParams
+from ..scheduler.step import SamplingParams
+from ..token_format import FRAME_SECONDS, TEXT_VOCAB_SIZE, TOKENS_PER_FRAME
 
 _EPS = 1e-9
 

@@ -2,7 +2,7 @@
 
 Each `synthesize_*` coroutine sends one request and returns a `ClientResult`:
 the audio bytes, the arrival time and size of every audio message (from which
-TTFB, underruns and RTF follow, DESIGN §8), the server's final metrics where
+TTFB, underruns and RTF follow, ARCHITECTURE §8), the server's final metrics where
 the protocol carries them, and a status: `ok`, `rejected` (the server is
 full, not ready or shutting down: retry later) or `error` (with a message
 saying what went wrong, including "cannot connect"). They never raise for
@@ -29,12 +29,12 @@ import httpx
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from ..audio import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
+from ..audio.encoding import AUDIO_FORMATS, TELEPHONY_FORMATS, decode_audio, default_sample_rate, wav_header
 from ..proto import AUDIO_FORMAT_NUMBERS
 from ..proto import orpheus_pb2 as pb
 from ..proto import orpheus_pb2_grpc as pb_grpc
-from ..protocol import SAMPLE_RATE
-from ..synthesis import PROTOCOLS
+from ..request.types import PROTOCOLS
+from ..token_format import SAMPLE_RATE
 from .records import StreamRecord
 
 DEFAULT_URL = "http://127.0.0.1:8000"

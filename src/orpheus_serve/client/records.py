@@ -1,4 +1,4 @@
-"""Per-stream measurements (DESIGN §8) computed from what a client saw.
+"""Per-stream measurements (ARCHITECTURE §8) computed from what a client saw.
 
 A client records when it sent the request, and the arrival time and size of
 every audio chunk. From that:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..audio.pcm import float_to_pcm16
 from ..config import ConfigError, load_config
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, FrameParser, ProtocolError
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, FrameParser, ProtocolError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,17 +55,16 @@ def read_token_ids(source: str) -> list[int]:
 
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
     """float32 samples in [-1, 1] -> 16-bit mono PCM WAV (clipped, rounded)."""
-    samples = np.clip(np.rint(np.asarray(pcm, dtype=np.float64) * 32767.0), -32768, 32767).astype("<i2")
     with wave.open(str(path), "wb") as wav:
         wav.setnchannels(1)
         wav.setsampwidth(2)
         wav.setframerate(sample_rate)
-        wav.writeframes(samples.tobytes())
+        wav.writeframes(float_to_pcm16(np.asarray(pcm)))
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..codec import build_decoder, decode_offline, load_snac
-    from ..codec.base import CodecPush
+    from . import build_decoder, decode_offline, load_snac
+    from .base import CodecPush
 
     try:
         overrides: dict[str, object] = {}

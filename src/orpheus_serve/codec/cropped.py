@@ -36,7 +36,7 @@ import torch
 from snac import SNAC
 from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 
-from ..protocol import SAMPLES_PER_FRAME
+from ..token_format import SAMPLES_PER_FRAME
 from .loader import frames_to_codes
 
 _POINTWISE = (Snake1d, torch.nn.Tanh, torch.nn.Identity)

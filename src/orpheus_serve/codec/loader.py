@@ -6,7 +6,7 @@
   internet access, a Hugging Face hub id;
 - eval mode, with every weight-norm parametrization folded into a plain weight
   once (identical output, ~8% less decode time: the parametrization would
-  otherwise recompute each conv's weight on every call, DESIGN §4);
+  otherwise recompute each conv's weight on every call, ARCHITECTURE §4);
 - FP16 on CUDA and FP32 on CPU unless a dtype is given;
 - SNAC's noise injection either switched off (`noise=False`: every `NoiseBlock`
   returns its input, so decoding is a pure function of the codes) or driven
@@ -31,7 +31,7 @@ from snac import SNAC
 from snac.layers import NoiseBlock
 
 from ..config import resolve_device, resolve_dtype
-from ..protocol import CODEBOOK_SIZE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..token_format import CODEBOOK_SIZE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.flo
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "pytorch_model.bin"
 
-# Positions of the codes inside a 7-code frame for each SNAC codebook (DESIGN §3):
+# Positions of the codes inside a 7-code frame for each SNAC codebook (ARCHITECTURE §3):
 # c0[i] = t0; c1[2i], c1[2i+1] = t1, t4; c2[4i..4i+3] = t2, t3, t5, t6.
 _C1_SLOTS = (1, 4)
 _C2_SLOTS = (2, 3, 5, 6)

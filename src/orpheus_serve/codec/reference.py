@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, frames_to_snac_codes
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, frames_to_snac_codes
 from .base import CodecPush, CodecResult
 
 WINDOW_FRAMES = 4

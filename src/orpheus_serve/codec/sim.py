@@ -10,7 +10,7 @@ standing in for one batched SNAC forward pass on a GPU. Together with the sim
 engine it lets the gateway, scheduler and codec plumbing run at GPU-scale
 concurrency on a CPU. Selected with `codec.decoder: sim`.
 
-Basis of the default cost: DESIGN §4 counts 9.7 GFLOP per second of audio
+Basis of the default cost: ARCHITECTURE §4 counts 9.7 GFLOP per second of audio
 (~0.83 GFLOP per frame); at a few TFLOP/s of effective FP16 throughput for
 small convolutions that is ~0.2-0.3 ms per frame, plus ~1.5 ms of launch
 overhead per batched pass.
@@ -23,7 +23,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME
 from .base import CodecPush, CodecResult
 
 

@@ -73,7 +73,7 @@ from torch import nn
 
 from orpheus_serve.codec.base import CodecPush, CodecResult
 from orpheus_serve.codec.transfer import HostTransfer
-from orpheus_serve.protocol import TOKENS_PER_FRAME, frames_to_snac_codes
+from orpheus_serve.token_format import TOKENS_PER_FRAME, frames_to_snac_codes
 
 from .loader import SeededNoiseBlock
 

@@ -3,7 +3,7 @@
 Architecture
 ------------
 SNAC's decoder is non-causal: a frame's audio depends on about 3 frames on
-each side (DESIGN §4). A windowed decoder therefore holds a frame back until
+each side (ARCHITECTURE §4). A windowed decoder therefore holds a frame back until
 `lookahead_frames` (R) frames follow it, then decodes a window
 
     [ L left-context frames | the new frames | R lookahead frames ]
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from snac import SNAC
 
-from ..protocol import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .base import CodecPush, CodecResult
 from .cropped import CroppedDecoder
 from .loader import check_frames, decode_frames, model_device

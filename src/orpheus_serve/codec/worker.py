@@ -18,7 +18,7 @@ arrive while the worker is busy are coalesced (frames concatenated in order,
 `final` OR-ed), so a slow pass makes the next one a bigger batch instead of
 many small decodes.
 
-Passes are bounded (DESIGN §5a): a pass decodes at most `max_frames_per_pass`
+Passes are bounded (ARCHITECTURE §5a): a pass decodes at most `max_frames_per_pass`
 frames in all, and fewer when the measured cost per frame says the pass would
 take longer than `max_pass_s` (a CPU codec at ~20 ms a frame: a 64-frame pass
 would keep every client waiting for a second); each session contributes at
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..protocol import join_frames
+from ..token_format import join_frames
 from .base import CodecPush, CodecResult, StreamingDecoder
 from .loader import check_frames
 

@@ -1,7 +1,7 @@
 """`TokenEngine`: the interface every token engine implements.
 
 The step types it takes and returns (`StepPlan`, `StepOutput`, `PrefillChunk`,
-`SamplingParams`) and their contract live in `orpheus_serve.step`, which the
+`SamplingParams`) and their contract live in `orpheus_serve.scheduler.step`, which the
 scheduler imports too; this module adds what only engines and their callers
 need: the engine protocol and its memory report.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..step import StepOutput, StepPlan
+from ..scheduler.step import StepOutput, StepPlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from orpheus_serve import protocol as P
-from orpheus_serve.step import PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve import token_format as P
+from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
 
 
 def _ids(text: str) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..step import EngineError
+from ..scheduler.step import EngineError
 from .base import TokenEngine
 
 if TYPE_CHECKING:

@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.engines.fp8 import FP8_DTYPE, Fp8Linear, kv_scales, quantize_fp8
 from orpheus_serve.engines.vram_budget import LlamaDims
-from orpheus_serve.step import EngineError
+from orpheus_serve.scheduler.step import EngineError
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "fp8": FP8_DTYPE}

@@ -30,7 +30,7 @@ import torch
 from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.fp8 import fp8_weight_bytes
 from orpheus_serve.engines.llama import LlamaConfig
-from orpheus_serve.step import EngineError
+from orpheus_serve.scheduler.step import EngineError
 
 GiB = 1 << 30
 GRAPH_KV_BUCKET = 256  # the smallest KV length a decode graph is captured for

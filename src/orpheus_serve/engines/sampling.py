@@ -1,5 +1,5 @@
 """On-device sampling for a batch of slots: repetition penalty, temperature, top-k, top-p, a
-per-session seed, greedy at temperature 0, and the frame-position constraint of DESIGN §3.
+per-session seed, greedy at temperature 0, and the frame-position constraint of ARCHITECTURE §3.
 
 Reproducibility whatever shares the batch: the randomness is counter-based. The noise for
 token id `v` of a session is a hash of (seed, step, v), turned into a Gumbel variable, and the
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from orpheus_serve import protocol as P
-from orpheus_serve.step import SamplingParams
+from orpheus_serve import token_format as P
+from orpheus_serve.scheduler.step import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""A TokenEngine with no model: valid Orpheus audio token streams and a cost model for time (DESIGN §6).
+"""A TokenEngine with no model: valid Orpheus audio token streams and a cost model for time (ARCHITECTURE §6).
 
 It lets the scheduler, the service and the gateways run at GPU-scale
 concurrency on a CPU. It does what a slot-batched engine does with a plan
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config, SimConfig
-from ..protocol import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
-from ..step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..scheduler.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from ..token_format import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
 from .base import MemoryReport
 
 

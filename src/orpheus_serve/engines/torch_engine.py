@@ -68,13 +68,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from orpheus_serve import protocol as P
+from orpheus_serve import token_format as P
 from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.base import MemoryReport
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, kv_torch_dtype, load_transformer, torch_dtype
 from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
-from orpheus_serve.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
+from orpheus_serve.scheduler.step import (
+    EngineError,
+    PrefillChunk,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    sampling_problem,
+)
 
 if TYPE_CHECKING:
     from orpheus_serve.config import Config

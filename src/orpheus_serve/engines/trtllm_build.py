@@ -24,7 +24,7 @@ What a build does, in order:
    QuantAlgo.FP8), calib_config=CalibConfig(...), kv_cache_config=KvCacheConfig(
    free_gpu_memory_fraction=0.05, max_tokens=max_seq_len))` then `llm.save(out)`. FP8 means
    FP8 weights and activations with a 16-bit (FP16) KV cache: no
-   `kv_cache_quant_algo` (DESIGN §6). The LLM API starts a runtime on the
+   `kv_cache_quant_algo` (ARCHITECTURE §6). The LLM API starts a runtime on the
    engine it has just built before `save` can run, and by default that runtime's
    KV cache claims 90% of the free GPU memory; the build needs no cache, so it
    gets one sequence's worth (`BUILD_KV_CACHE_FRACTION` caps it further).
@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import Config, ConfigError, load_config
-from ..protocol import PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
-from ..step import EngineError
+from ..scheduler.step import EngineError
+from ..token_format import PROMPT_SUFFIX, START_OF_HUMAN, VOICES, build_prompt_ids
 from .trtllm_env import MANIFEST_FORMAT, MANIFEST_NAME, check_tensorrt_available, probe_trtllm_version
 from .vram_budget import (
     FP8_MIN_COMPUTE_CAPABILITY,

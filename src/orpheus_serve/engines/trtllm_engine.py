@@ -48,7 +48,7 @@ the LLM API's reason ('stop', 'length', 'timeout', 'cancelled'). When it stops
 on end_id and the runtime left end_of_speech out of the output, it is appended,
 so the protocol parser downstream sees the same clean end as with the torch engine.
 
-Sampling (DESIGN §3): `tensorrt_llm.SamplingParams(end_id=128258, pad_id=128263,
+Sampling (ARCHITECTURE §3): `tensorrt_llm.SamplingParams(end_id=128258, pad_id=128263,
 temperature, top_p, top_k, repetition_penalty, seed, max_tokens,
 detokenize=False)`. With the TensorRT backend every request is sampled by the
 C++ executor's decoder, whose penalty kernel applies repetition_penalty, so
@@ -62,7 +62,7 @@ rejects requests whose prompt + max_tokens exceed the engine's max_seq_len.
 A session without a seed gets a fresh random one (the runtime's default seed is
 0 for every request, which would make equal prompts sound identical).
 
-Frame-position constraint (DESIGN §3): `FramePositionLogitsProcessor`, a
+Frame-position constraint (ARCHITECTURE §3): `FramePositionLogitsProcessor`, a
 `BatchedLogitsProcessor` (`tensorrt_llm.sampling_params`) passed to the LLM as
 `batched_logits_processor` and switched on per request with
 `SamplingParams(apply_batched_logits_processor=True)`. The executor calls it
@@ -101,7 +101,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import (
+from ..scheduler.step import (
+    EngineDeadError,
+    EngineError,
+    PrefillChunk,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    sampling_problem,
+)
+from ..token_format import (
     AUDIO_TOKEN_BASE,
     CODEBOOK_SIZE,
     END_OF_SPEECH,
@@ -110,7 +119,6 @@ from ..protocol import (
     TOKENS_PER_FRAME,
     VOCAB_SIZE,
 )
-from ..step import EngineDeadError, EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 from .base import MemoryReport
 from .trtllm_env import MANIFEST_NAME, check_tensorrt_available, engine_mismatch, read_manifest
 from .vram_budget import ORPHEUS_3B, LlamaDims, kv_bytes_per_slot
@@ -211,7 +219,7 @@ def speech_start_index(token_ids: Sequence[int]) -> int:
 
 
 class FramePositionLogitsProcessor:
-    """Batched logits processor enforcing DESIGN §3's frame-position constraint.
+    """Batched logits processor enforcing ARCHITECTURE §3's frame-position constraint.
 
     Call signature of `tensorrt_llm.sampling_params.BatchedLogitsProcessor`:
     (req_ids, logits, token_ids, stream_ptr, client_ids), logits modified in
@@ -639,7 +647,7 @@ def _load_trtllm(settings: TrtLlmEngineSettings) -> tuple[Any, Callable[..., Any
 
     kv_cache = KvCacheConfig(
         free_gpu_memory_fraction=settings.kv_cache_free_gpu_memory_fraction,
-        # Slots are pre-allocated (DESIGN §5): cap the cache at what they can use and leave the
+        # Slots are pre-allocated (ARCHITECTURE §5): cap the cache at what they can use and leave the
         # rest of the fraction to the codec, which shares this GPU.
         max_tokens=settings.num_slots * settings.max_seq_len,
     )

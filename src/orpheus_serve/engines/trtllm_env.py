@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..step import EngineError
+from ..scheduler.step import EngineError
 
 SUPPORTED_SERIES = "1.2"
 _SUPPORTED_VERSION = re.compile(r"^1\.2(\.|$)")

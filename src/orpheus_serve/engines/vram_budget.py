@@ -16,8 +16,8 @@ The parts:
   to the embedding, so both are counted. With Orpheus' 156,940-token vocabulary
   they are 0.96 GB each: the "3.2 B params x 1 byte" shorthand undercounts.
 - KV cache per slot: 2 (K and V) x layers x kv_heads x head_dim x max_seq_len
-  x 2 bytes (FP16 KV; DESIGN §6 keeps the cache unquantised).
-- codec: SNAC weights in FP16 (19.8 M parameters, DESIGN §4) plus the
+  x 2 bytes (FP16 KV; ARCHITECTURE §6 keeps the cache unquantised).
+- codec: SNAC weights in FP16 (19.8 M parameters, ARCHITECTURE §4) plus the
   activations of one batched decode (estimate: 3 live tensors of the last,
   64-channel stage at 24 kHz for every window in the batch).
 - runtime activations (estimate): one context pass of `max_num_tokens` tokens
@@ -40,7 +40,7 @@ GIB = 1024**3
 WeightDtype = Literal["fp8", "fp16", "bf16"]
 BYTES_PER_WEIGHT: dict[str, float] = {"fp8": 1.0, "fp16": 2.0, "bf16": 2.0}
 KV_BYTES_PER_ELEMENT = 2  # FP16 KV cache
-SNAC_PARAMS = 19_800_000  # DESIGN §4
+SNAC_PARAMS = 19_800_000  # ARCHITECTURE §4
 SNAC_LAST_STAGE_CHANNELS = 64  # decoder_dim 1024 halved at each of the 4 upsampling stages
 SNAC_SAMPLES_PER_FRAME = 2048
 SNAC_LIVE_TENSORS = 3

@@ -3,7 +3,7 @@ between the proto's `AudioFormat` values and the server's format names (audio.AU
 
 from __future__ import annotations
 
-from ..audio import AUDIO_FORMATS
+from ..audio.encoding import AUDIO_FORMATS
 from . import orpheus_pb2 as pb
 
 # AUDIO_FORMAT_<NAME> for every format name; UNSPECIFIED means the default, pcm.

@@ -1,5 +1,5 @@
 """Session scheduling over KV-cache slots (pure Python: no torch, and no engine, codec or api imports;
-the step types it plans come from `orpheus_serve.step`).
+the step types it plans come from `orpheus_serve.scheduler.step`).
 
 See `scheduler.py` for the flow; `session.py` (state machine), `slots.py`
 (slot allocator), `policy.py` (fair / deadline), `flush.py` (when frames go to
@@ -11,10 +11,11 @@ caller acts on), `errors.py` (why `submit()` refuses a session).
 
 from .errors import AdmissionError, InvalidSessionError, SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
+from .feedback import SchedulerStats
 from .flow import FlowControl, FlowStats
 from .flush import FlushPolicy, FrameBuffer
 from .policy import DeadlinePolicy, FairPolicy, SchedulingPolicy, make_policy
-from .scheduler import Scheduler, SchedulerStats
+from .scheduler import Scheduler
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
 

@@ -1,4 +1,4 @@
-"""A running measure of what the pipeline sustains, for admission and first-chunk sizing (DESIGN §5a).
+"""A running measure of what the pipeline sustains, for admission and first-chunk sizing (ARCHITECTURE §5a).
 
 Two cost models are fitted online from what the engine core and the codec
 worker observe, by exponentially weighted least squares (old observations fade
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..protocol import FRAME_SECONDS, TOKENS_PER_FRAME
+from ..token_format import FRAME_SECONDS, TOKENS_PER_FRAME
 
 # Feature scales: keep the normal equations well conditioned (batch ~1..512, context ~1e2..1e6 tokens).
 _CTX_SCALE = 1e-4

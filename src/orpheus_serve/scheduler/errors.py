@@ -1,8 +1,8 @@
 """Why the scheduler refuses a session at `submit()`.
 
 The scheduler raises these and knows nothing of protocols or services; the
-service maps them onto its own errors (`synthesis.InvalidRequestError`,
-`synthesis.QueueFullError`), which the gateways map onto their wire's
+service maps them onto its own errors (`request.errors.InvalidRequestError`,
+`request.errors.QueueFullError`), which the gateways map onto their wire's
 convention.
 """
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..protocol import FRAME_SECONDS
+from ..token_format import FRAME_SECONDS
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -1,4 +1,4 @@
-"""Flow control decisions (DESIGN §5a): who is held back, who may be admitted, how big a first push is.
+"""Flow control decisions (ARCHITECTURE §5a): who is held back, who may be admitted, how big a first push is.
 
 Playback time is the unit. Each session knows where its audio is (`session.py`:
 generated -> pushed -> decoded -> delivered -> played); this module turns that
@@ -46,7 +46,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 from ..config import SchedulerConfig
-from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ..token_format import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .capacity import CapacityEstimate, CapacityModel
 from .flush import FlushPolicy
 from .session import Session, SessionState

@@ -1,4 +1,4 @@
-"""When parsed frames leave for the codec (DESIGN §5, flush policy).
+"""When parsed frames leave for the codec (ARCHITECTURE §5, flush policy).
 
 The codec needs `lookahead_frames` frames after a frame before that frame's
 audio is final. So the first push waits for `flush_first_n_tokens` audio
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..protocol import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, join_frames
+from ..token_format import FRAME_SECONDS, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, join_frames
 
 MAX_PUSH_MULTIPLE = 4  # regular pushes grow to at most 4× flush_every_n_tokens when the client is far ahead
 

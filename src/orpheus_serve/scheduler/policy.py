@@ -1,4 +1,4 @@
-"""Which decoding sessions get a token this step (DESIGN §5).
+"""Which decoding sessions get a token this step (ARCHITECTURE §5).
 
 `fair`: sessions before their first audio (and under `ttfb_priority_tokens`
 generated, but never fewer than the first push needs, so the boost cannot

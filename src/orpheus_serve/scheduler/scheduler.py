@@ -1,6 +1,6 @@
 """The session scheduler: sessions ⇄ KV-cache slots, one plan per engine step.
 
-Architecture (DESIGN §1, §5), in the style of vLLM v1's scheduler / engine-core split:
+Architecture (ARCHITECTURE §1, §5), in the style of vLLM v1's scheduler / engine-core split:
 
     engine core thread:  plan = scheduler.schedule()      # pure: which slots do what
                          out = engine.step(plan)          # the only model work
@@ -27,7 +27,7 @@ its arrival) or holding one longer than `session_timeout_s` (from its
 admission) ends with "timeout". `submit()` refuses at once (SchedulerFullError,
 with a retry hint) when every slot is taken and `max_queue` requests wait.
 
-Flow control (DESIGN §5a, `flow.py`): decoding sessions too far ahead of
+Flow control (ARCHITECTURE §5a, `flow.py`): decoding sessions too far ahead of
 their codec or their client are left out of the step (they keep their slots);
 new sessions are admitted only under the measured capacity (`admission:
 queue` waits, `reject` refuses at submit, `slots` admits by free slots); the
@@ -54,54 +54,31 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..protocol import SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
-from ..step import PrefillChunk, StepOutput, StepPlan
+from ..token_format import SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ProtocolError
 from .capacity import CapacityModel
 from .errors import InvalidSessionError, SchedulerFullError
 from .events import FramesReady, SchedulerEvent, SessionFailed, SessionFinished
-from .flow import FlowControl, FlowStats
+from .feedback import SchedulerFeedback
+from .flow import FlowControl
 from .flush import FlushPolicy, FrameBuffer
 from .policy import SchedulingPolicy, make_policy
 from .session import Session, SessionRequest, SessionState
 from .slots import SlotAllocator
+from .step import StepOutput, StepPlan
 
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 60.0
 _SESSION_S_SMOOTHING = 0.1  # weight of the newest session in the running mean used for retry hints
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    policy: str
-    total_sessions: int  # ever admitted to a slot
-    active_sessions: int  # holding a slot (prefilling or decoding)
-    pending_sessions: int  # waiting for a slot
-    max_concurrent: int  # slots
-    used_slots: int  # bound to a live session, or freed by the next plan
-    free_slots: int
-    priority_sessions: int  # active, before their first audio
-    total_tokens: int  # generated ids consumed
-    prefill_tokens: int
-    total_steps: int  # update() calls
-    total_batches: int  # steps that decoded at least one session
-    mean_batch_size: float  # sessions decoded per such step
-    finished: int  # stop or length
-    cancelled: int
-    failed: int
-    timed_out: int
-    rejected: int  # SchedulerFullError at submit
-    stray_tokens: int  # ids that arrived for a slot with no live session (dropped)
+class Scheduler(SchedulerFeedback):
+    """Sessions and slots, one plan per engine step (see the module docstring); the feedback it takes and
+    the state it reports are SchedulerFeedback's (feedback.py)."""
 
-    def as_dict(self) -> dict[str, int | float | str]:
-        return asdict(self)
-
-
-class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -154,10 +131,6 @@ class Scheduler:
         self._counts = {"finished": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "rejected": 0}
 
     # ------------------------------------------------------------ request side
-
-    @property
-    def num_slots(self) -> int:
-        return self._slots.num_slots
 
     @property
     def policy_name(self) -> str:
@@ -327,92 +300,6 @@ class Scheduler:
             events, self._events = self._events, []
             return events
 
-    # ------------------------------------------------------------ feedback
-
-    def record_step_time(self, plan: StepPlan, seconds: float) -> None:
-        """The engine core's loop period around `plan` (schedule -> step -> update -> dispatch)."""
-        with self._lock:
-            load = self._plan_load
-            if load is None or load[0] is not plan:
-                return
-            _, batch, context, prefill, streams = load
-            self._flow.observe_step(batch, context, prefill, seconds, streams=streams, now=self._clock())
-
-    def record_codec_pass(self, frames: int, seconds: float) -> None:
-        """One codec worker pass: `frames` decoded in `seconds`."""
-        with self._lock:
-            self._flow.observe_codec_pass(frames, seconds)
-
-    def note_decoded(self, request_id: str, frames: int, samples: int, *, final: bool = False) -> None:
-        """The codec ran `frames` more frames of this session and returned `samples` of audio;
-        `final`: that was its last result (the final push, or a failure)."""
-        with self._lock:
-            self._flow.decoded(request_id, self._admitted.get(request_id), frames, samples, final=final)
-
-    def note_delivered(self, request_id: str, samples: int) -> None:
-        """The client's socket took `samples` more audio of this session."""
-        with self._lock:
-            session = self._admitted.get(request_id)
-            if session is not None:
-                session.record_delivery(self._clock(), samples)
-
-    def note_gateway_lag(self, source: int, seconds: float) -> None:
-        """API process `source`'s event loop runs `seconds` late (admission closes past
-        `max_gateway_lag_ms`)."""
-        with self._lock:
-            self._flow.gateway_lag(source, seconds, self._clock())
-
-    def client_held_s(self, request_ids: list[str]) -> list[float]:
-        """Audio each client holds unplayed (0 before first audio and for ended sessions), for the codec's
-        pass order: the clients closest to running dry go first."""
-        with self._lock:
-            now = self._clock()
-            out = []
-            for request_id in request_ids:
-                session = self._admitted.get(request_id)
-                held = None if session is None else session.client_held_s(now)
-                out.append(0.0 if held is None else held)
-            return out
-
-    def flow_stats(self) -> FlowStats:
-        with self._lock:
-            return self._flow.stats(list(self._admitted.values()), self._clock(), self._step)
-
-    def session_state(self, request_id: str) -> SessionState | None:
-        """State of a live session; None once it has ended (or was never submitted)."""
-        with self._lock:
-            session = self._waiting.get(request_id) or self._admitted.get(request_id)
-            return None if session is None else session.state
-
-    @property
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._waiting or self._admitted or self._pending_release)
-
-    def stats(self) -> SchedulerStats:
-        with self._lock:
-            return SchedulerStats(
-                policy=self._policy.name,
-                total_sessions=self._total_sessions,
-                active_sessions=len(self._admitted),
-                pending_sessions=len(self._waiting),
-                max_concurrent=self.num_slots,
-                used_slots=self._slots.used_count,
-                free_slots=self._slots.free_count,
-                priority_sessions=sum(not s.had_first_audio for s in self._admitted.values()),
-                total_tokens=self._total_tokens,
-                prefill_tokens=self._prefill_tokens,
-                total_steps=self._step,
-                total_batches=self._total_batches,
-                mean_batch_size=self._decoded_sessions / self._total_batches if self._total_batches else 0.0,
-                finished=self._counts["finished"],
-                cancelled=self._counts["cancelled"],
-                failed=self._counts["failed"],
-                timed_out=self._counts["timed_out"],
-                rejected=self._counts["rejected"],
-                stray_tokens=self._stray_tokens,
-            )
-
     # ------------------------------------------------------------ internals
 
     def _plan_prefill(self, plan: StepPlan, now: float) -> None:
@@ -447,26 +334,11 @@ class Scheduler:
             self._total_sessions += 1
             budget -= self._add_chunk(plan, session, budget)
 
-    def _add_chunk(self, plan: StepPlan, session: Session, budget: int) -> int:
-        assert session.slot is not None
-        start = session.prefilled
-        end = min(session.prompt_len, start + budget)
-        priority = session.engine_priority
-        session.reported_priority = priority
-        plan.prefill.append(
-            PrefillChunk(
-                slot=session.slot,
-                request_id=session.request_id,
-                prompt_ids=session.request.prompt_ids,
-                start=start,
-                end=end,
-                sampling=session.request.sampling,
-                priority=priority,
-            )
-        )
-        # Marked as sent now so a later plan continues after it even if update() lags a step behind.
-        session.prefilled = end
-        return end - start
+    @staticmethod
+    def _add_chunk(plan: StepPlan, session: Session, budget: int) -> int:
+        chunk = session.prefill_chunk(budget)
+        plan.prefill.append(chunk)
+        return chunk.end - chunk.start
 
     def _expire(self, now: float) -> None:
         self._flow.expire(now)

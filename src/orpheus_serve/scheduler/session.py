@@ -6,7 +6,7 @@
                                                  finished (stop | length) | failed
 
 A session owns a KV-cache slot from its first prefill chunk until it leaves
-the live states. It also keeps its place in the pipeline (DESIGN §5a), in
+the live states. It also keeps its place in the pipeline (ARCHITECTURE §5a), in
 frames and samples:
 
     generated ─▶ pushed to the codec ─▶ decoded ─▶ delivered to the client ─▶ played
@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import SAMPLE_RATE, FrameParser
-from ..step import SamplingParams
+from ..token_format import SAMPLE_RATE, FrameParser
 from .flush import FrameBuffer
+from .step import PrefillChunk, SamplingParams
 
 PRIORITY_FIRST_AUDIO = 1.0  # engine priority before a session's first audio (TTFB boost)
 PRIORITY_STREAMING = 0.5  # after it
@@ -135,6 +135,18 @@ class Session:
     def client_held_s(self, now: float) -> float | None:
         """Audio the client holds unplayed; None before its first audio."""
         return None if self.playback_end_s is None else max(0.0, self.playback_end_s - now)
+
+    def prefill_chunk(self, budget: int) -> PrefillChunk:
+        """The next piece of the prompt, at most `budget` ids, marked as sent now (so a later plan continues
+        after it even if the scheduler's update lags a step behind)."""
+        assert self.slot is not None
+        start = self.prefilled
+        end = min(self.prompt_len, start + budget)
+        priority = self.engine_priority
+        self.reported_priority = priority
+        self.prefilled = end
+        return PrefillChunk(slot=self.slot, request_id=self.request_id, prompt_ids=self.request.prompt_ids,
+                            start=start, end=end, sampling=self.request.sampling, priority=priority)
 
     def record_flush(self, now: float) -> None:
         """Frames went to the codec (the first time marks the end of the TTFB priority)."""

@@ -1,4 +1,4 @@
-"""Allocator over the engine's pre-allocated KV-cache slots (DESIGN §5).
+"""Allocator over the engine's pre-allocated KV-cache slots (ARCHITECTURE §5).
 
 Slots are rows of a cache allocated once at start-up; this only tracks which
 are bound to a session. The lowest free index is handed out first so that a

@@ -57,7 +57,7 @@ from ...api.gateway import Gateway
 from ...api.grpc_server import SynthesizerService
 from ...api.http import create_app
 from ...config import Config
-from ...metrics import PROMETHEUS_CONTENT_TYPE
+from ...metrics.prometheus import PROMETHEUS_CONTENT_TYPE
 from .settings import (
     APP_NAME,
     REPLICA_DEPLOYMENT,
@@ -81,7 +81,7 @@ class OrpheusReplica:
     """One engine and the server's whole HTTP/WebSocket app, as one Serve replica."""
 
     async def __init__(self, config_data: dict[str, Any]) -> None:
-        from ...service import TTSService
+        from ...service.build import build_service
 
         config = Config.model_validate(config_data)
         # The replica's process is its own: the same interpreter-lock hand-off as run_server sets.
@@ -89,7 +89,7 @@ class OrpheusReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.config = config
-        self.service = TTSService.from_config(config)
+        self.service = build_service(config)
         self.gateway = Gateway(self.service, config)
         self.grpc = SynthesizerService(self.gateway)
         # Warm-up inside the constructor: Serve routes nothing to a replica until it returns, so a new

@@ -3,7 +3,7 @@
 vLLM v1's `EngineCoreProc` pattern. `MPClient` (mp_client.py) starts this
 process with the spawn context; it builds the engine and decoder, says it is
 ready over a pipe (or why it failed), and then runs exactly what the
-in-process client runs (`engine_client.CoreRuntime`: the engine core thread
+in-process client runs (`core.client.CoreRuntime`: the engine core thread
 and the codec worker thread) with ZeroMQ in place of the event loop:
 
     main thread (input):   ROUTER  <- every API process's DEALER
@@ -21,7 +21,7 @@ Each session's outputs go to the API process that submitted it (the
 the output thread is bounded the way the in-process inbox is: the scheduler
 holds back sessions whose client has not taken their audio, and the
 delivery notes that release them come only from the API processes. Sockets
-keep ZeroMQ high-water marks (engine_wire.SOCKET_HWM).
+keep ZeroMQ high-water marks (wire.SOCKET_HWM).
 
 This process ignores SIGINT and SIGTERM: its API process drains the streams
 first and then tells it to stop. It exits by itself when that process dies
@@ -38,54 +38,35 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
-from . import engine_wire as wire
-from .codec.base import StreamingDecoder
-from .config import Config
-from .engine_client import CoreRuntime, SessionDone, SessionOutput
-from .engines.base import TokenEngine
-from .scheduler import InvalidSessionError, SchedulerFullError
-from .synthesis import ServiceUnavailableError
+from ..codec.base import StreamingDecoder
+from ..config import Config
+from ..engines.base import TokenEngine
+from ..request.errors import ServiceUnavailableError
+from ..scheduler import InvalidSessionError, SchedulerFullError
+from . import wire
+from .client import CoreRuntime, SessionOutput
 
 log = logging.getLogger(__name__)
 
-CALL_SHUTDOWN = 4
 _PARENT_POLL_MS = 500  # the input loop's longest wait: how soon a dead parent is noticed at the latest
 
 
-@dataclass(frozen=True, slots=True)
-class CoreAddresses:
-    """ZeroMQ endpoints: the core binds `input`; API process i binds `outputs[i]`."""
-
-    input: str
-    outputs: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CoreInfo:
-    """What the core tells its API processes once its engine is built."""
-
-    max_seq_len: int
-    num_slots: int
-    pid: int
-
-
-def run_engine_core(config_data: dict[str, Any], addresses: CoreAddresses, ready: Connection) -> None:
+def run_engine_core(config_data: dict[str, Any], addresses: wire.CoreAddresses, ready: Connection) -> None:
     """The process's entry point (a spawn target: plain, picklable arguments)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = Config.model_validate(config_data)
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
-    # Two busy threads (engine core, codec) and two I/O threads share this interpreter; see server.run_server.
+    # Two busy threads (engine core, codec) and two I/O threads share this interpreter; see api.launch.run_server.
     sys.setswitchinterval(config.server.switch_interval_ms / 1000.0)
     try:
-        from .service_builder import build_engine_and_decoder
+        from .build import build_engine_and_decoder
 
         engine, decoder, codec_device = build_engine_and_decoder(config)
         proc = EngineCoreProc(config, engine, decoder, codec_device, addresses)
@@ -93,7 +74,7 @@ def run_engine_core(config_data: dict[str, Any], addresses: CoreAddresses, ready
         ready.send(("error", traceback.format_exc()))
         ready.close()
         raise SystemExit(1) from None
-    ready.send(("ready", CoreInfo(max_seq_len=engine.max_seq_len, num_slots=engine.num_slots, pid=os.getpid())))
+    ready.send(("ready", wire.CoreInfo(max_seq_len=engine.max_seq_len, num_slots=engine.num_slots, pid=os.getpid())))
     ready.close()
     proc.run()
     # Leave now, whatever a stuck thread is doing: the API process waits for this exit.
@@ -103,7 +84,7 @@ def run_engine_core(config_data: dict[str, Any], addresses: CoreAddresses, ready
 
 class EngineCoreProc:
     def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder, codec_device: str,
-                 addresses: CoreAddresses) -> None:
+                 addresses: wire.CoreAddresses) -> None:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.RCVHWM, wire.SOCKET_HWM)
@@ -190,7 +171,7 @@ class EngineCoreProc:
             stats = self._runtime.stats(core_cpu_s=time.process_time())
             self._reply(identity, [seq, wire.OK, wire.encode_stats(stats), list(self._figures.items())])
             return False
-        if kind == CALL_SHUTDOWN:
+        if kind == wire.CALL_SHUTDOWN:
             self._halt()
             self._reply(identity, [seq, wire.OK])
             return True
@@ -215,7 +196,7 @@ class EngineCoreProc:
 
     def _submit(self, api: int, fields: list[Any]) -> list[Any]:
         request = wire.decode_request(fields)
-        if api in self._gone:  # started again in its place (api/api_processes.py): its outputs flow again
+        if api in self._gone:  # started again in its place (api/process_group.py): its outputs flow again
             self._gone.discard(api)
             with self._cond:
                 self._reopen_outputs.add(api)
@@ -300,7 +281,7 @@ class EngineCoreProc:
             for api in resets:
                 # A dead API process's socket: what it queued is for sessions that no longer exist, and a send
                 # to it would block this thread at the high-water mark. Nothing is sent there again until a
-                # process started in its place submits (api/api_processes.py).
+                # process started in its place submits (api/process_group.py).
                 out = self._outputs[api]
                 if out is not None:
                     out.close(0)
@@ -313,7 +294,7 @@ class EngineCoreProc:
                 self._engine_dead_sent = True
                 failure = self._runtime.engine_failure
                 for api in range(len(self._outputs)):
-                    batches.setdefault(api, []).append(wire.encode_output("", SessionDone("engine_dead", error=failure)))
+                    batches.setdefault(api, []).append(wire.encode_engine_dead(failure))
             for api, batch in batches.items():
                 out = self._outputs[api]
                 if out is None:

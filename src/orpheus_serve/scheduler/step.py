@@ -44,7 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.1
     max_tokens: int = 1400  # generated tokens; the scheduler ends the session there
     seed: int | None = None  # same seed -> same tokens, whatever shares the batch
-    constrained: bool = True  # DESIGN §3 frame-position constraint
+    constrained: bool = True  # ARCHITECTURE §3 frame-position constraint
 
     @property
     def greedy(self) -> bool:

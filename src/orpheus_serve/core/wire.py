@@ -8,6 +8,7 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
 
     [CALL_SUBMIT, seq, api, request...]    answered: [seq, OK] or [seq, FULL|INVALID|UNAVAILABLE, message, extra]
     [CALL_STATS, seq]                      answered: [seq, OK, stats..., [[api, figures], ...]]
+    [CALL_SHUTDOWN, seq]                   answered: [seq, OK]; the core then stops
     [NOTES, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
                                            not answered, batched per loop pass
     [FIGURES, api, {request and gateway counters}]   not answered: an API process's own counters, for the
@@ -17,27 +18,31 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
 
 engine core -> API process `api` (a PUSH per API process -> its PULL):
 
-    [[session_id, PCM bytes] | [session_id, reason, tokens, frames, queue_s, error], ...]   a batch of outputs
+    [[session_id, PCM bytes] | [session_id, outcome, tokens, frames, queue_s, error] | [ENGINE_DEAD, error], ...]
+                                           a batch of outputs; ENGINE_DEAD (once, to every API process): the
+                                           engine died, whoever's sessions failed
 """
 
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import msgpack
 
-from .engine_client import EngineCoreStats, SessionDone, SessionOutput
-from .engines.base import MemoryReport
-from .scheduler import FlowStats, SchedulerStats, SessionRequest
-from .step import SamplingParams
+from ..engines.base import MemoryReport
+from ..scheduler import FlowStats, SchedulerStats, SessionRequest
+from ..scheduler.step import SamplingParams
+from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
 
 CALL_SUBMIT = 1
 CALL_STATS = 2
 NOTES = 3
+CALL_SHUTDOWN = 4
 FIGURES = 5
 API_GONE = 6
 LOOP_LAG = 7
+ENGINE_DEAD = 8  # an output entry no session owns (session ids are strings)
 
 OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s
@@ -46,6 +51,30 @@ UNAVAILABLE = 3  # the engine is dead: ServiceUnavailableError
 
 # Bounded queues on every socket (messages, not bytes): a batch of outputs is one message.
 SOCKET_HWM = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAddresses:
+    """ZeroMQ endpoints: the core binds `input`; API process i binds `outputs[i]`."""
+
+    input: str
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the core tells its API processes once its engine is built."""
+
+    max_seq_len: int
+    num_slots: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDead:
+    """The core's engine died (ENGINE_DEAD): every API process learns it at once, for its /ready and submits."""
+
+    error: str
 
 
 # Both ends run this same module: the positional encodings below (astuple, then the constructor) need no
@@ -74,14 +103,20 @@ def decode_request(fields_: list[Any]) -> SessionRequest:
 def encode_output(session_id: str, item: SessionOutput) -> list[Any]:
     if isinstance(item, bytes):
         return [session_id, item]
-    return [session_id, item.reason, item.tokens, item.frames, item.queue_s, item.error]
+    return [session_id, item.outcome.value, item.tokens, item.frames, item.queue_s, item.error]
 
 
-def decode_output(entry: list[Any]) -> tuple[str, SessionOutput]:
+def encode_engine_dead(error: str | None) -> list[Any]:
+    return [ENGINE_DEAD, error]
+
+
+def decode_output(entry: list[Any]) -> tuple[str, SessionOutput] | EngineDead:
+    if entry[0] == ENGINE_DEAD:
+        return EngineDead(entry[1] or "the engine failed")
     if len(entry) == 2:
         return entry[0], entry[1]
-    session_id, reason, tokens, frames, queue_s, error = entry
-    return session_id, SessionDone(reason=reason, tokens=tokens, frames=frames, queue_s=queue_s, error=error)
+    session_id, outcome, tokens, frames, queue_s, error = entry
+    return session_id, SessionDone(Outcome(outcome), tokens=tokens, frames=frames, queue_s=queue_s, error=error)
 
 
 def encode_stats(stats: EngineCoreStats) -> list[Any]:

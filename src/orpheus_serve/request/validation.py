@@ -41,11 +41,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import protocol
-from .config import Config, SamplingConfig
-from .step import SEED_MAX, SamplingParams
-from .synthesis import InvalidRequestError, SynthesisRequest
+from .. import token_format
+from ..config import Config, SamplingConfig
+from ..scheduler.step import SEED_MAX, SamplingParams
+from .errors import InvalidRequestError
 from .text import has_speech, normalize_text, split_text
+from .types import SynthesisRequest
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_CHARS = r"[\x20-\x7e]+"  # printable ASCII
@@ -93,7 +94,7 @@ def documented_ranges() -> dict[str, Range]:
     return {
         "temperature": field_range(SamplingConfig, "temperature"),
         "top_p": field_range(SamplingConfig, "top_p"),
-        "top_k": field_range(SamplingConfig, "top_k").with_hi(protocol.VOCAB_SIZE),
+        "top_k": field_range(SamplingConfig, "top_k").with_hi(token_format.VOCAB_SIZE),
         "repetition_penalty": field_range(SamplingConfig, "repetition_penalty"),
         "seed": Range(0, SEED_MAX),
         "max_tokens": field_range(SamplingConfig, "max_tokens"),
@@ -132,7 +133,7 @@ class Limits:
 
     @classmethod
     def from_config(cls, config: Config, *, max_seq_len: int, chunk_chars: int,
-                    vocab_size: int = protocol.VOCAB_SIZE) -> Limits:
+                    vocab_size: int = token_format.VOCAB_SIZE) -> Limits:
         profile = config.active_profile
         return cls(
             max_text_chars=profile.max_text_chars,
@@ -219,8 +220,8 @@ def _voice(voice: Any) -> str:
     if isinstance(voice, str):
         check_unicode(voice, "voice")
     try:
-        return protocol.resolve_voice(voice)
-    except protocol.UnknownVoiceError as exc:
+        return token_format.resolve_voice(voice)
+    except token_format.UnknownVoiceError as exc:
         raise InvalidRequestError(str(exc), param="voice") from None
 
 
@@ -247,7 +248,7 @@ def _text(raw: Any, limits: Limits, voice: str, prompt_len: Callable[[str, str],
         raise InvalidRequestError(
             f"input is {tokens} tokens after normalisation; at most {limits.max_prompt_tokens} are allowed",
             param="input")
-    if max(lengths) + protocol.TOKENS_PER_FRAME > limits.max_seq_len:
+    if max(lengths) + token_format.TOKENS_PER_FRAME > limits.max_seq_len:
         raise InvalidRequestError(
             f"input has a sentence of {max(lengths)} prompt tokens, which leaves no room for audio within "
             f"max_seq_len={limits.max_seq_len}", param="input")
@@ -257,7 +258,7 @@ def _text(raw: Any, limits: Limits, voice: str, prompt_len: Callable[[str, str],
 def resolve_sampling(s: SamplingConfig, req: SynthesisRequest, text: str) -> SamplingParams:
     """The request's sampling values, the config's defaults for what it leaves out; max_tokens in whole frames."""
     max_tokens = s.max_tokens_for(text) if req.max_tokens is None else req.max_tokens
-    max_tokens = max(protocol.TOKENS_PER_FRAME, max_tokens - max_tokens % protocol.TOKENS_PER_FRAME)
+    max_tokens = max(token_format.TOKENS_PER_FRAME, max_tokens - max_tokens % token_format.TOKENS_PER_FRAME)
     return SamplingParams(
         temperature=s.temperature if req.temperature is None else float(req.temperature),
         top_p=s.top_p if req.top_p is None else float(req.top_p),

@@ -1,4 +1,4 @@
-"""The Orpheus token format (DESIGN §3).
+"""The Orpheus token format (ARCHITECTURE §3).
 
 Orpheus is a Llama-3 model whose vocabulary is extended with special ids and
 7 × 4096 audio tokens. A prompt is

@@ -42,7 +42,7 @@ import re
 import unicodedata
 from collections.abc import Callable
 
-from .protocol import EMOTION_TAGS
+from ..token_format import EMOTION_TAGS
 
 _TRANSLATE = str.maketrans(
     {

@@ -15,7 +15,7 @@ Nothing registers into prometheus_client's global registry, so several apps
 
 With more than one API process (server.api_processes) each process's own
 counters and histograms (`samples()`) travel with its other counters through
-the engine core (api/api_processes.py); `render()` then adds the other
+the engine core (api/process_group.py); `render()` then adds the other
 processes' samples to this one's (`peer_samples`), so a scrape of any process
 sees the whole server. The engine gauges are the core's, the same everywhere.
 """
@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..request.types import SynthesisMetrics
 from .stats import ServiceSnapshot
-from .synthesis import SynthesisMetrics
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

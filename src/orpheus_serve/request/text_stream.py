@@ -1,4 +1,4 @@
-"""Incremental text: one context's text arriving in pieces, cut into generation chunks (DESIGN §5b).
+"""Incremental text: one context's text arriving in pieces, cut into generation chunks (ARCHITECTURE §5b).
 
 A voice agent's LLM writes its reply token by token. `TextStream` takes those
 pieces as they come (`push`), and the service takes generation chunks from it
@@ -36,22 +36,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from .config import StreamInputConfig
-from .synthesis import InvalidRequestError
+from ..config import StreamInputConfig
+from .errors import InvalidRequestError
 from .text import TEXT_CHUNK_CHARS, clause_ends, has_speech, sentence_ends, split_text
+from .types import TextChunk
 from .validation import check_unicode
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TextChunk:
-    """One generation chunk: normalised text with something to say, or "" for a flush with nothing left."""
-
-    text: str
-    flush_id: int | None = None  # the chunk completes flush number N (TextStream.flush)
 
 
 class TextStream:

@@ -19,7 +19,7 @@ process or in another one behind the same protocol:
                   together; outputs leave through one `post(session_id, item)` callback
     InprocClient  CoreRuntime as threads of this process (server.engine_process: false)
     MPClient      CoreRuntime in an engine-core process of its own, over ZeroMQ with msgpack
-                  messages (mp_client.py, engine_proc.py, engine_wire.py; server.engine_process: true)
+                  messages (mp_client.py, core/process.py, core/wire.py; server.engine_process: true)
 
 In-process:
 
@@ -42,17 +42,16 @@ import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
-import numpy as np
-
-from . import protocol
-from .codec.base import CodecResult, StreamingDecoder
-from .codec.worker import CodecWorker
-from .config import Config
-from .engine_core import EngineCore
-from .engines.base import MemoryReport, TokenEngine
-from .scheduler import (
+from .. import token_format
+from ..audio.pcm import float_to_pcm16
+from ..codec.base import CodecResult, StreamingDecoder
+from ..codec.worker import CodecWorker
+from ..config import Config
+from ..engines.base import MemoryReport, TokenEngine
+from ..scheduler import (
     FlowStats,
     FramesReady,
     Scheduler,
@@ -62,15 +61,34 @@ from .scheduler import (
     SessionFinished,
     SessionRequest,
 )
+from .engine_core import EngineCore
+
+
+class Outcome(str, Enum):
+    """How one part of a session's output ended (SessionDone.outcome). The values travel on the wire."""
+
+    AUDIO = "audio"  # the codec's last audio is out
+    STOP = "stop"  # generation finished: end of speech
+    LENGTH = "length"  # generation finished: max_tokens
+    ERROR = "error"  # the engine or codec failed the session
+    TIMEOUT = "timeout"  # it waited or ran past its timeout
+    CANCELLED = "cancelled"  # the scheduler cancelled it (server shutting down)
+    UNAVAILABLE = "unavailable"  # the engine-core process died under it
+
+    @property
+    def failed(self) -> bool:
+        return self in _FAILED
+
+
+_FAILED = frozenset({Outcome.ERROR, Outcome.TIMEOUT, Outcome.CANCELLED, Outcome.UNAVAILABLE})
 
 
 @dataclass(frozen=True, slots=True)
 class SessionDone:
-    """The end of one part of a session's output. `reason` "audio": the codec's last audio is out;
-    a finish reason ("end_of_speech", "length", ...): generation finished; "error", "timeout",
-    "cancelled": the session failed, with `error` saying why where there is a message."""
+    """The end of one part of a session's output (see Outcome); a failed one has `error` saying why where
+    there is a message."""
 
-    reason: str
+    outcome: Outcome
     tokens: int = 0
     frames: int = 0
     queue_s: float = 0.0
@@ -128,12 +146,7 @@ def audible_lookahead(decoder: StreamingDecoder) -> int:
     samples = getattr(decoder, "lookahead_samples", None)
     if samples is None:
         return decoder.lookahead_frames
-    return samples // protocol.SAMPLES_PER_FRAME
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float32 [-1, 1] -> 16-bit little-endian PCM."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+    return samples // token_format.SAMPLES_PER_FRAME
 
 
 class CoreRuntime:
@@ -142,7 +155,7 @@ class CoreRuntime:
     Outputs leave through `post(session_id, item)`, called on the engine core
     thread (SessionDone of generation) and on the codec thread (PCM, the codec's
     SessionDone). Both clients run exactly this: `InprocClient` posts to the
-    asyncio loop of this process, the engine-core process (engine_proc.py)
+    asyncio loop of this process, the engine-core process (core/process.py)
     posts to the ZeroMQ sockets of its API processes."""
 
     def __init__(self, config: Config, engine: TokenEngine, decoder: StreamingDecoder,
@@ -154,7 +167,7 @@ class CoreRuntime:
         lookahead = audible_lookahead(decoder)
         self.scheduler = Scheduler(
             config.scheduler, engine.num_slots, lookahead_frames=lookahead, max_seq_len=engine.max_seq_len,
-            lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * protocol.SAMPLES_PER_FRAME),
+            lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * token_format.SAMPLES_PER_FRAME),
             delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
             max_pass_s=config.codec.max_pass_ms / 1000,
         )
@@ -218,11 +231,11 @@ class CoreRuntime:
         if self._tap is not None:
             self._tap(event)
         if isinstance(event, SessionFailed):
-            done = SessionDone(reason="error", error=event.error)
+            done = SessionDone(Outcome.ERROR, error=event.error)
         elif isinstance(event, SessionFinished):
             if event.reason == "error":
                 return  # SessionFailed already carried the error
-            done = SessionDone(reason=event.reason, tokens=event.tokens, frames=event.frames, queue_s=event.queue_s)
+            done = SessionDone(Outcome(event.reason), tokens=event.tokens, frames=event.frames, queue_s=event.queue_s)
         else:
             return
         self._post(event.request_id, done)
@@ -238,12 +251,12 @@ class CoreRuntime:
         self.scheduler.note_decoded(key, result.frames, int(result.pcm.size),
                                     final=result.final or result.error is not None)
         if result.error:
-            self._post(key, SessionDone(reason="error", error=f"codec error: {result.error}"))
+            self._post(key, SessionDone(Outcome.ERROR, error=f"codec error: {result.error}"))
             return
         if result.pcm.size:
-            self._post(key, pcm16(result.pcm))
+            self._post(key, float_to_pcm16(result.pcm))
         if result.final:
-            self._post(key, SessionDone(reason="audio"))
+            self._post(key, SessionDone(Outcome.AUDIO))
 
 
 class InprocClient:

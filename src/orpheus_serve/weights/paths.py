@@ -13,11 +13,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config
+from ..config import Config
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_LLAMA = "tiny-orpheus"
 TINY_SNAC = "tiny-snac"
 
@@ -44,7 +44,7 @@ def ensure_tiny_models(models_dir: Path) -> tuple[Path, Path]:
     """models_dir/tiny-orpheus and models_dir/tiny-snac, written once if absent."""
     llama, snac = models_dir / TINY_LLAMA, models_dir / TINY_SNAC
     if not (_is_checkpoint(llama) and _is_checkpoint(snac)):
-        from .tiny_models import write_tiny_models
+        from .tiny import write_tiny_models
 
         log.warning("writing the tiny random-weight models to %s", models_dir)
         write_tiny_models(models_dir, seed=0)

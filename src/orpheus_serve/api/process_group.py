@@ -6,7 +6,7 @@ engine core in a process of its own. With `server.api_processes: N` (which
 needs `server.engine_process`) N API processes share the listening ports and
 the one core:
 
-    API process 0 (production_server.py)        engine-core process (engine_proc.py)
+    API process 0 (production_server.py)        engine-core process (core/process.py)
       owns and supervises the core ─── ROUTER input, PUSH output-0 ──────▶ │
       spawns and supervises API 1..N-1 ─ pipe: ready / stop / core down, up │
     API process i (spawned)                                                 │
@@ -28,7 +28,7 @@ the one core:
   it, and starts a new process with the same index in its place (the kernel
   sends new connections to the others meanwhile). The core sends to that
   index again once the new process submits (its warm-up). More than
-  CRASH_LOOP_RESTARTS deaths within CRASH_LOOP_S, or
+  CRASH_LOOP_RESTARTS deaths within CRASH_LOOP_S (core/crash_loop.py), or
   `server.restart_api_processes: false`, stop the server instead: the other
   processes drain and process 0 exits with code 1, for the orchestrator.
 - **Shutdown**: SIGTERM/SIGINT to process 0 (or to the whole group) stops
@@ -52,15 +52,19 @@ import contextlib
 import logging
 import multiprocessing
 import sys
-import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
 from ..config import Config
-from ..engine_proc import CoreAddresses, CoreInfo
-from ..mp_client import CRASH_LOOP_RESTARTS, CRASH_LOOP_S, MPClient
+from ..core.build import resolve_models
+from ..core.crash_loop import CrashLoopGuard
+from ..core.mp_client import MPClient
+from ..core.wire import CoreAddresses, CoreInfo
+from ..service.build import load_tokenizer
+from ..service.service import TTSService
+from .server import OrpheusServer
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class ApiProcessGroup:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._config_data: dict[str, Any] = {}
-        self._deaths: list[float] = []  # monotonic times API processes died, within CRASH_LOOP_S
+        self._crash_loop = CrashLoopGuard()  # the same guard as the engine core's
         self._restarts: set[asyncio.Task[None]] = set()
         self.restarts = 0
         # Set when an API process died and is not started again: the server stops with exit code 1.
@@ -130,11 +134,10 @@ class ApiProcessGroup:
         if self._stopping:
             return
         self._client.api_gone(index)
-        now = time.monotonic()
-        self._deaths = [t for t in self._deaths if now - t < CRASH_LOOP_S] + [now]
-        if not self._config.server.restart_api_processes or len(self._deaths) > CRASH_LOOP_RESTARTS:
+        restart_allowed = self._crash_loop.died()
+        if not self._config.server.restart_api_processes or not restart_allowed:
             why = ("server.restart_api_processes is off" if not self._config.server.restart_api_processes else
-                   f"API processes died {len(self._deaths)} times within {CRASH_LOOP_S:.0f} s")
+                   f"API processes died: {self._crash_loop}")
             log.critical("API process %d (pid %s) died with exit code %s; its streams are cancelled and the server "
                          "stops (%s)", index, process.pid, process.exitcode, why)
             self.failed.set()
@@ -220,10 +223,6 @@ def run_api_process(config_data: dict[str, Any], index: int, addresses: CoreAddr
 
 
 async def _serve(config: Config, index: int, addresses: CoreAddresses, info: CoreInfo, conn: Connection) -> int:
-    from ..service import TTSService
-    from ..service_builder import load_tokenizer, resolve_models
-    from .server import OrpheusServer
-
     resolved = resolve_models(config)
     config = resolved.config
     tokenizer = load_tokenizer(resolved.tokenizer_path)
@@ -231,6 +230,7 @@ async def _serve(config: Config, index: int, addresses: CoreAddresses, info: Cor
     service = TTSService(config, client=client, tokenizer=tokenizer, model_info=resolved.info,
                          max_seq_len=info.max_seq_len)
     server = OrpheusServer(config, service, api_index=index)
+    server.share_counters(client)
     loop = asyncio.get_running_loop()
 
     def on_message() -> None:

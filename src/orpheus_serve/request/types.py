@@ -8,16 +8,40 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, Protocol, get_args
 
-from .protocol import SAMPLE_RATE
-
-if TYPE_CHECKING:
-    from .text_stream import TextStream
+from ..token_format import SAMPLE_RATE
 
 # The wire protocols a request can arrive over; every table of protocols derives from this one.
 ProtocolName = Literal["rest", "ws", "grpc", "riva", "cartesia"]
 PROTOCOLS: tuple[ProtocolName, ...] = get_args(ProtocolName)
+
+
+@dataclass(frozen=True, slots=True)
+class TextChunk:
+    """One generation chunk: normalised text with something to say, or "" for a flush with nothing left."""
+
+    text: str
+    flush_id: int | None = None  # the chunk completes flush number N (text_stream.TextStream.flush)
+
+
+class TextSource(Protocol):
+    """Where a request's text chunks come from, as the service reads them: a whole text cut up front, or a
+    context's incremental text (request.text_stream.TextStream, ARCHITECTURE §5b). Only the event loop that
+    serves the request calls these."""
+
+    @property
+    def exhausted(self) -> bool:
+        """Ended, and every chunk taken."""
+        ...
+
+    def take(self) -> TextChunk | None:
+        """The next chunk if one can be cut now, else None."""
+        ...
+
+    async def wait(self) -> None:
+        """Return once `take` may have something new (or the text ended)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +57,8 @@ class SynthesisRequest:
     seed: int | None = None
     constrained: bool | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # Incremental text (a context, DESIGN §5b): chunks are taken from here as they are cut; `text` is unused.
-    text_input: TextStream | None = None
+    # Incremental text (a context, ARCHITECTURE §5b): chunks are taken from here as they are cut; `text` is unused.
+    text_input: TextSource | None = None
     timestamps: bool = False  # also yield ChunkTimings with estimated word times for every chunk
 
 
@@ -118,61 +142,3 @@ class ModelInfo:
     codec_path: str
     tiny: bool
     warning: str | None = None
-
-
-class SynthesisError(Exception):
-    """Base of the errors a gateway maps to its own convention."""
-
-    code = "internal_error"
-
-
-class InvalidRequestError(SynthesisError):
-    """Bad input: HTTP 400 / gRPC INVALID_ARGUMENT / a WebSocket error message."""
-
-    code = "invalid_request"
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFullError(SynthesisError):
-    """Every slot is taken and the admission queue is full: 503 / RESOURCE_EXHAUSTED."""
-
-    code = "server_busy"
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ServiceUnavailableError(SynthesisError):
-    """Not ready yet, or shutting down: 503 / UNAVAILABLE."""
-
-    code = "unavailable"
-
-
-class SynthesisTimeoutError(SynthesisError):
-    """Waited too long for a slot, or the session ran past its timeout: 504 / DEADLINE_EXCEEDED."""
-
-    code = "timeout"
-
-
-class EngineFailureError(SynthesisError):
-    """The engine or codec failed this request (others are unaffected): 500 / INTERNAL."""
-
-    code = "engine_error"
-
-
-class EngineUnavailableError(EngineFailureError, ServiceUnavailableError):
-    """The engine core went away under a running stream (its process died): 503 / UNAVAILABLE, counted as a
-    failed request. The server restarts the core (server.restart_core); a retry may succeed."""
-
-    code = "engine_unavailable"
-
-
-class ClientStalledError(SynthesisError):
-    """The client took no audio for server.stalled_client_timeout_s: its session is cancelled and the
-    connection closed (408 / DEADLINE_EXCEEDED, if the client reads on at all)."""
-
-    code = "client_stalled"

@@ -18,14 +18,16 @@ import sys
 import wave
 from pathlib import Path
 
-from . import protocol
-from .config import ConfigError, load_config
-from .synthesis import AudioChunk, SynthesisError, SynthesisMetrics, SynthesisRequest
+from .. import token_format
+from ..config import ConfigError, load_config
+from ..request.errors import SynthesisError
+from ..request.types import AudioChunk, SynthesisMetrics, SynthesisRequest
+from .build import build_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", required=True)
-    parser.add_argument("--voice", default=protocol.DEFAULT_VOICE)
+    parser.add_argument("--voice", default=token_format.DEFAULT_VOICE)
     parser.add_argument("--out", required=True, type=Path, help="output WAV (24 kHz, 16-bit, mono)")
     parser.add_argument("--config", default=None)
     parser.add_argument("--profile", default="longform", help="config profile (default: longform)")
@@ -37,10 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def synthesize_to_file(args: argparse.Namespace) -> SynthesisMetrics:
-    from .service import TTSService
 
     config = load_config(args.config, profile=args.profile, overrides=args.set)
-    service = TTSService.from_config(config, record_tokens=args.tokens_out is not None)
+    service = build_service(config, record_tokens=args.tokens_out is not None)
     await service.start(warmup=False)
     request = SynthesisRequest(
         text=args.text,
@@ -54,7 +55,7 @@ async def synthesize_to_file(args: argparse.Namespace) -> SynthesisMetrics:
         with wave.open(str(args.out), "wb") as wav:
             wav.setnchannels(1)
             wav.setsampwidth(2)
-            wav.setframerate(protocol.SAMPLE_RATE)
+            wav.setframerate(token_format.SAMPLE_RATE)
             async for item in service.synthesize(request):
                 if isinstance(item, AudioChunk):
                     wav.writeframes(item.pcm)
@@ -67,7 +68,7 @@ async def synthesize_to_file(args: argparse.Namespace) -> SynthesisMetrics:
             {
                 "text": entry["text"],
                 "prompt_ids": entry["prompt_ids"],
-                "generated_ids": protocol.frames_to_token_ids(entry["frames"], end=entry["finish_reason"] == "stop"),
+                "generated_ids": token_format.frames_to_token_ids(entry["frames"], end=entry["finish_reason"] == "stop"),
                 "finish_reason": entry["finish_reason"],
             }
             for entry in service.token_log.values()

@@ -23,8 +23,9 @@ import re
 
 import numpy as np
 
-from .protocol import SAMPLE_RATE
-from .synthesis import WordTiming
+from ..audio.pcm import pcm16_to_float
+from ..request.types import WordTiming
+from ..token_format import SAMPLE_RATE
 
 BLOCK_SAMPLES = SAMPLE_RATE // 100  # 10 ms
 _TAG = re.compile(r"<[A-Za-z_][A-Za-z0-9_-]*>")
@@ -44,7 +45,7 @@ class AudioEnvelope:
         self.samples = 0
 
     def add(self, pcm16: bytes) -> None:
-        samples = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        samples = pcm16_to_float(pcm16)
         self.samples += samples.size
         samples = np.concatenate((self._carry, samples)) if self._carry.size else samples
         whole = samples.size // BLOCK_SAMPLES * BLOCK_SAMPLES

@@ -43,7 +43,7 @@ try:
 except ImportError:  # PyAV is optional: without it, pcm and wav at the model's rate and normal speed only
     av = None
 
-from .protocol import SAMPLE_RATE
+from ..token_format import SAMPLE_RATE
 
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"]
 AUDIO_FORMATS: tuple[str, ...] = get_args(AudioFormat)

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .config import Config
-from .engine_client import EngineCoreStats
-from .synthesis import SynthesisMetrics
+from ..config import Config
+from ..core.client import EngineCoreStats
+from ..request.types import SynthesisMetrics
 
 RequestOutcome = Literal["completed", "failed", "cancelled"]
 

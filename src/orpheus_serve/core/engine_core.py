@@ -1,8 +1,8 @@
 """The engine core: one thread that drives the token engine.
 
-It runs in the server's process (engine_client.InprocClient) or in an
-engine-core process of its own (engine_proc.py, `server.engine_process`);
-either way `engine_client.CoreRuntime` wires it to the scheduler and the
+It runs in the server's process (core.client.InprocClient) or in an
+engine-core process of its own (core/process.py, `server.engine_process`);
+either way `core.client.CoreRuntime` wires it to the scheduler and the
 codec worker, and it never touches a socket.
 
     loop:
@@ -55,11 +55,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .codec.base import CodecPush
-from .engines.base import TokenEngine
-from .scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
-from .step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
-from .synthesis import ServiceUnavailableError
+from ..codec.base import CodecPush
+from ..engines.base import TokenEngine
+from ..request.errors import ServiceUnavailableError
+from ..scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
+from ..scheduler.step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 

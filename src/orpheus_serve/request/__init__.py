@@ -1,0 +1,1 @@
+"""What a request is: its types, errors, text hygiene, incremental text and validation (ARCHITECTURE §2)."""
