@@ -24,6 +24,16 @@ the one CUDA-graph KV bucket that ends at the context (make the contexts powers 
 and graphs on and off attend over the same lengths. `--json` writes one row per (model, context,
 graphs, constrained, batch) with the KV lengths it covered and the attention kernel that ran
 (`sdpa`), and the memory plan of each engine. `--deadline` (Unix time) starts no configuration after it.
+
+`--variants` compares decode attention and precision (docs/ATTENTION.md), one engine each:
+sdpa (SDPA over the batch's gathered cache), triton (the split-K kernel over the slot cache),
+triton+fp8kv (and an FP8 KV cache), triton+fp8kv+fp8w (and FP8 GEMM weights). The memory plan
+of each says how many slots of the largest context fit the device:
+
+    python scripts/bench_engine.py --presets "" --model models/orpheus-3b --device cuda --dtype bf16 \
+        --batches 1,32,128,256 --contexts 256,1024 --variants sdpa,triton,triton+fp8kv,triton+fp8kv+fp8w
+
+(triton on a CPU runs in Triton's interpreter only, with TRITON_INTERPRET=1: a smoke test, not a speed.)
 """
 
 from __future__ import annotations
@@ -49,6 +59,13 @@ from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
 from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
+# TorchEngine options of each --variants name.
+VARIANTS: dict[str, dict[str, str]] = {
+    "sdpa": {"attention": "sdpa"},
+    "triton": {"attention": "triton"},
+    "triton+fp8kv": {"attention": "triton", "kv_cache_dtype": "fp8"},
+    "triton+fp8kv+fp8w": {"attention": "triton", "kv_cache_dtype": "fp8", "quantization": "fp8"},
+}
 
 
 def ensure_model(models_dir: Path, preset: str) -> Path:
@@ -68,17 +85,32 @@ def _on_off(value: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {value!r}") from exc
 
 
+def _variants(value: str) -> list[str]:
+    names = [v for v in value.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; expected some of {', '.join(VARIANTS)}")
+    return names
+
+
 def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtype: str,
-                memory_fraction: float = 0.9, resident: Transformer | None = None) -> dict[str, object]:
+                memory_fraction: float = 0.9, resident: Transformer | None = None,
+                variant: str = "sdpa") -> dict[str, object]:
     """What the engine's planner says about `slots` sessions of `max_seq_len` on this device, against its
     free memory now (plus the weights of `resident`, loaded already and counted by the plan)."""
+    from orpheus_serve.engines.llama import kv_torch_dtype
+
+    options = VARIANTS[variant]
+    kv_dtype = options.get("kv_cache_dtype")
     budget = available_bytes(torch.device(device))
     free = budget
     if budget is not None and resident is not None:
         budget += sum(p.numel() * p.element_size() for p in resident.parameters())
     plan = plan_memory(LlamaConfig.from_folder(folder), num_slots=slots, max_seq_len=max_seq_len,
                        dtype=torch_dtype(dtype), max_batch_size=slots,
-                       budget_bytes=None if budget is None else int(budget * memory_fraction))
+                       budget_bytes=None if budget is None else int(budget * memory_fraction),
+                       kv_dtype=kv_torch_dtype(kv_dtype) if kv_dtype else None,
+                       quantization=options.get("quantization", "none"))
     return {"slots": slots, "max_seq_len": max_seq_len, "weights_gib": round(plan.weights_bytes / 2**30, 3),
             "kv_mib_per_slot": round(plan.kv_bytes_per_slot / 2**20, 2),
             "workspace_gib": round(plan.workspace_bytes / 2**30, 3),
@@ -94,15 +126,17 @@ def steps_per_mode(batches: list[int], *, steps: int, rounds: int, warmup: int) 
 
 def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, warmup: int, device: str,
                 dtype: str, prompt_len: int, graphs: bool = True, constrained_modes: tuple[bool, ...] = (True,),
-                max_seq_len: int | None = None, model: Transformer | None = None
+                max_seq_len: int | None = None, model: Transformer | None = None, variant: str = "sdpa"
                 ) -> tuple[dict[bool, dict[int, float]], str]:
     """Median seconds per decode step, per constrained mode and batch size (one engine for all), and the
-    attention kernel that served them. `model`: weights loaded once and shared by the engines."""
+    attention kernel that served them. `model`: weights loaded once and shared by the engines (not with
+    FP8 weights, which quantise their own copy)."""
     max_batch = max(batches)
     if max_seq_len is None:
         max_seq_len = prompt_len + 1 + steps_per_mode(batches, steps=steps, rounds=rounds, warmup=warmup) + 8
     engine = TorchEngine(folder, num_slots=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                         max_batch_size=max_batch, cuda_graphs=graphs, model=model)
+                         max_batch_size=max_batch, cuda_graphs=graphs,
+                         model=None if VARIANTS[variant].get("quantization") == "fp8" else model, **VARIANTS[variant])
     results: dict[bool, dict[int, float]] = {}
     try:
         for constrained in constrained_modes:
@@ -153,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", type=_on_off, default=[True], help="CUDA graphs: on, off or on,off (default on)")
     ap.add_argument("--constrained", type=_on_off, default=[True],
                     help="frame-position constraint: on, off or on,off (default on)")
+    ap.add_argument("--variants", type=_variants, default=["sdpa"],
+                    help=f"decode attention / precision variants to compare: {', '.join(VARIANTS)} (default sdpa)")
     ap.add_argument("--json", default=None, help="also write the rows and memory plans to this JSON file")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
@@ -178,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"context {min(contexts)} leaves no prompt: the measurement grows the KV length by {growth}")
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds x {args.steps} steps per batch size, median round")
-    print(f"{'model':<16} {'params':>8} {'ctx':>5} {'graphs':>6} {'constr':>6} {'batch':>5} {'step ms':>9} "
-          f"{'tokens/s':>10} {'x batch 1':>10}")
+    print(f"{'model':<16} {'params':>8} {'ctx':>5} {'graphs':>6} {'variant':>17} {'slots fit':>9} {'constr':>6} "
+          f"{'batch':>5} {'step ms':>9} {'tokens/s':>10} {'x batch 1':>10}")
     rows: list[dict[str, object]] = []
     plans: list[dict[str, object]] = []
     complete = True
@@ -193,27 +229,30 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_len, max_seq_len = context - growth - 1, context + 8
             else:
                 prompt_len, max_seq_len = context, context + 1 + growth + 8
-            for graphs in args.graphs:
+            for graphs, variant in ((g, v) for g in args.graphs for v in args.variants):
                 if args.deadline is not None and time.time() > args.deadline:
-                    print(f"deadline passed: context {context}, graphs {_word(graphs)} not measured", flush=True)
+                    print(f"deadline passed: context {context}, graphs {_word(graphs)}, {variant} not measured",
+                          flush=True)
                     complete = False
                     continue
-                plans.append({"model": folder.name, "context": context, "graphs": graphs,
-                              **memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device,
-                                            dtype=dtype, resident=model)})
+                plan = memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device, dtype=dtype,
+                                   resident=model, variant=variant)
+                plans.append({"model": folder.name, "context": context, "graphs": graphs, "variant": variant, **plan})
                 by_mode, sdpa = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds,
                                             warmup=args.warmup, device=device, dtype=dtype, prompt_len=prompt_len,
                                             graphs=graphs, constrained_modes=tuple(args.constrained),
-                                            max_seq_len=max_seq_len, model=model)
+                                            max_seq_len=max_seq_len, model=model, variant=variant)
+                fit = "?" if plan["max_slots"] is None else plan["max_slots"]
                 for constrained, step_s in by_mode.items():
                     base = 1 / step_s[1]
                     for batch in batches:
                         rate = batch / step_s[batch]
                         print(f"{folder.name:<16} {params / 1e6:>7.1f}M {context:>5} {_word(graphs):>6} "
-                              f"{_word(constrained):>6} {batch:>5} {step_s[batch] * 1e3:>9.2f} {rate:>10.1f} "
-                              f"{rate / base:>10.2f}", flush=True)
+                              f"{variant:>17} {fit:>9} {_word(constrained):>6} {batch:>5} "
+                              f"{step_s[batch] * 1e3:>9.2f} {rate:>10.1f} {rate / base:>10.2f}", flush=True)
                         rows.append({"model": folder.name, "params_m": round(params / 1e6, 1), "context": context,
-                                     "graphs": graphs and device.startswith("cuda"), "constrained": constrained,
+                                     "graphs": graphs and device.startswith("cuda"), "variant": variant,
+                                     "slots_fit": plan["max_slots"], "constrained": constrained,
                                      "batch": batch, "step_ms": round(step_s[batch] * 1e3, 3),
                                      "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2),
                                      "kv_len_first": prompt_len + 1, "kv_len_last": prompt_len + growth,

@@ -129,6 +129,12 @@ class EngineConfig(_Strict):
     # Attention kernels PyTorch may choose from on CUDA (torch backend; engines/sdpa.py: cuDNN's rebuilds per shape).
     sdpa_backends: list[Literal["efficient", "math", "flash", "cudnn"]] = Field(["efficient", "math"], min_length=1)
     memory_fraction: float = Field(0.9, gt=0, le=1)
+    # Torch backend (docs/ATTENTION.md). Decode attention: the Triton kernel over the slot cache or SDPA over a
+    # gathered copy (auto: triton on CUDA); the KV cache's dtype (auto: the model's; fp8: e4m3, per-head scales);
+    # fp8: the decoder layers' GEMMs in e4m3 through torch._scaled_mm.
+    attention: Literal["auto", "sdpa", "triton"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "auto"
+    quantization: Literal["none", "fp8"] = "none"
     tensorrt: TensorRTConfig = TensorRTConfig()
     sim: SimConfig = SimConfig()
 

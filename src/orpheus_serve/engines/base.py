@@ -23,6 +23,7 @@ class MemoryReport:
     num_slots: int
     max_seq_len: int
     free_bytes: int | None = None  # device memory left after allocation, where known
+    kv_cache_dtype: str | None = None  # the cache's element type (float8_e4m3fn, bfloat16, ...), where known
 
 
 @runtime_checkable

@@ -20,13 +20,20 @@ then reads each row's slot up to `kv_len` (the longest live context, not
 `max_seq_len`) and masks, per row, every cache position after that row's
 own query position. Stale entries left by a slot's previous occupant are
 thereby never seen, so a slot needs no clearing between sessions.
+
+`setup_caches(attention="triton")` runs single-token passes (decode) through the
+split-K kernel of decode_attention.py instead: each row reads its own slot in place up
+to its own length (position + 1), with no gather, mask or dependence on `kv_len`.
+Prefill keeps SDPA. `kv_dtype=float8_e4m3fn` stores the cache in FP8 with one
+static scale per layer and KV head, calibrated on a short prompt when the cache is set
+up (fp8.py; ARCHITECTURE §6).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from orpheus_serve import token_format as P
+from orpheus_serve.engines.fp8 import FP8_DTYPE, Fp8Linear, kv_scales, quantize_fp8
 from orpheus_serve.engines.vram_budget import LlamaDims
 from orpheus_serve.scheduler.step import EngineError
 
@@ -42,12 +51,21 @@ if TYPE_CHECKING:
     from orpheus_serve.engines.lora import LayerLora, LoraBatch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "fp8": FP8_DTYPE}
+ATTENTION_KERNELS = ("sdpa", "triton")
+KV_CALIBRATION_TOKENS = 256  # prompt length the FP8 cache's per-head scales are measured over
 
 
 def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise EngineError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    if name not in KV_DTYPES:
+        raise EngineError(f"unsupported KV cache dtype {name!r}; expected one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
 
 
 # ----------------------------------------------------------------------------- config
@@ -205,22 +223,50 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
+    """K and V of every slot, `[num_slots, Hkv, max_seq_len, D]` each, in `dtype`. FP8 caches hold
+    x / scale with the per-KV-head `scales` (k_scale, v_scale [Hkv] fp32) and read back in `compute_dtype`."""
+
     def __init__(self, num_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, *, compute_dtype: torch.dtype | None = None,
+                 scales: tuple[Tensor, Tensor] | None = None) -> None:
         super().__init__()
+        if (dtype == FP8_DTYPE) != (scales is not None):
+            raise EngineError("an FP8 KV cache needs per-head scales, and only an FP8 cache takes them")
         shape = (num_slots, n_kv_heads, max_seq_len, head_dim)
+        self.compute_dtype = compute_dtype or dtype
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.k_scale: Tensor | None
+        self.v_scale: Tensor | None
+        self.register_buffer("k_scale", None if scales is None else scales[0].float().to(device), persistent=False)
+        self.register_buffer("v_scale", None if scales is None else scales[1].float().to(device), persistent=False)
+        # Calibration (Transformer.setup_caches): the largest |k| and |v| written, per KV head [2, Hkv].
+        self.observed_amax: Tensor | None = None
 
-    def update(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, T, Hkv, D] at (slots [B], positions [B, T]); return each row's slot
-        up to kv_len as [B, Hkv, kv_len, D]."""
+    def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [B, T, Hkv, D] at (slots [B], positions [B, T])."""
+        if self.observed_amax is not None:
+            seen = torch.stack([k.abs().amax(dim=(0, 1, 3)), v.abs().amax(dim=(0, 1, 3))]).float()
+            self.observed_amax = torch.maximum(self.observed_amax, seen)
         rows = slots.unsqueeze(1)  # [B, 1], broadcast against positions [B, T]
-        self.k_cache[rows, :, positions] = k
-        self.v_cache[rows, :, positions] = v
+        for cache, values, scale in ((self.k_cache, k, self.k_scale), (self.v_cache, v, self.v_scale)):
+            if scale is not None:
+                values = quantize_fp8(values, scale.view(1, 1, -1, 1))
+            cache[rows, :, positions] = values.to(cache.dtype)
+
+    def read(self, slots: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Each row's slot up to kv_len as [B, Hkv, kv_len, D] in the compute dtype (a gathered copy)."""
         keys = self.k_cache[:, :, :kv_len].index_select(0, slots)
         values = self.v_cache[:, :, :kv_len].index_select(0, slots)
-        return keys, values
+        if self.k_scale is not None and self.v_scale is not None:
+            keys = keys.float() * self.k_scale.view(1, -1, 1, 1)
+            values = values.float() * self.v_scale.view(1, -1, 1, 1)
+        return keys.to(self.compute_dtype), values.to(self.compute_dtype)
+
+    def update(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """`write`, then `read` up to kv_len."""
+        self.write(slots, positions, k, v)
+        return self.read(slots, kv_len)
 
 
 class Attention(nn.Module):
@@ -228,11 +274,15 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
-        self.wo = nn.Linear(config.q_size, config.dim, bias=False)
+        self.wo: nn.Module = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        # decode_attention.decode_attention when single-token passes use the Triton kernel.
+        self.decode_kernel: Callable[..., Tensor] | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, positions: Tensor,
-                kv_len: int, lora: LayerLora | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor, positions: Tensor,
+                kv_len: int, lora: LayerLora | None = None, lengths: Tensor | None = None) -> Tensor:
+        """`lengths` [B] (given for T = 1 when the decode kernel is set): each row attends over its own
+        slot up to that length, read in place; otherwise SDPA over the gathered cache with `mask`."""
         cfg = self.config
         B, T, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -242,14 +292,21 @@ class Attention(nn.Module):
         q = apply_rotary_emb(q.view(B, T, H, D), cos, sin)  # [B, T, H, D]
         k = apply_rotary_emb(k.view(B, T, Hkv, D), cos, sin)  # [B, T, Hkv, D]
         v = v.view(B, T, Hkv, D)
-        assert self.kv_cache is not None, "setup_caches() first"
-        keys, values = self.kv_cache.update(slots, positions, k, v, kv_len)  # [B, Hkv, S, D]
-
-        # Grouped-query attention without repeating k/v: the G query heads that share a kv head
-        # become G*T query rows against that head. Head h = kv * G + g (Hugging Face's grouping).
-        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
-        y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        cache = self.kv_cache
+        assert cache is not None, "setup_caches() first"
+        if lengths is not None:
+            assert self.decode_kernel is not None and T == 1
+            cache.write(slots, positions, k, v)
+            y = self.decode_kernel(q.view(B, H, D), cache.k_cache, cache.v_cache, slots, lengths,
+                                   k_scale=cache.k_scale, v_scale=cache.v_scale).reshape(B, T, H * D)  # [B, H, D]
+        else:
+            assert mask is not None
+            keys, values = cache.update(slots, positions, k, v, kv_len)  # [B, Hkv, S, D]
+            # Grouped-query attention without repeating k/v: the G query heads that share a kv head
+            # become G*T query rows against that head. Head h = kv * G + g (Hugging Face's grouping).
+            q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+            y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return self.wo(y) if lora is None else lora("wo", y, self.wo(y))
 
 
@@ -257,8 +314,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate | up
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.w13: nn.Module = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate | up
+        self.w2: nn.Module = nn.Linear(config.intermediate_size, config.dim, bias=False)
 
     def forward(self, x: Tensor, lora: LayerLora | None = None) -> Tensor:
         gate_up = self.w13(x) if lora is None else lora("w13", x, self.w13(x))
@@ -275,9 +332,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, positions: Tensor,
-                kv_len: int, lora: LayerLora | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, slots, positions, kv_len, lora)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor, positions: Tensor,
+                kv_len: int, lora: LayerLora | None = None, lengths: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, slots, positions, kv_len, lora, lengths)
         return h + self.feed_forward(self.ffn_norm(h), lora)
 
 
@@ -291,33 +348,96 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.num_slots = 0
         self.max_seq_len = 0
+        self.attention_kernel = "sdpa"
 
-    def setup_caches(self, num_slots: int, max_seq_len: int) -> None:
-        """Allocate the KV cache (once) and the rope tables for max_seq_len positions."""
+    def setup_caches(self, num_slots: int, max_seq_len: int, *, kv_dtype: torch.dtype | None = None,
+                     attention: str = "sdpa") -> None:
+        """Allocate the KV cache (once, in `kv_dtype`, default the model's) and the rope tables for
+        max_seq_len positions; `attention`: sdpa or triton (the decode kernel for single-token passes).
+        An FP8 cache first measures its per-head scales over a calibration prompt (module docstring)."""
+        if attention not in ATTENTION_KERNELS:
+            raise EngineError(f"unknown attention kernel {attention!r}; expected one of {', '.join(ATTENTION_KERNELS)}")
+        dtype = self.output.weight.dtype
+        kv_dtype = kv_dtype or dtype
+        scales = self._calibrate_kv_scales(min(max_seq_len, KV_CALIBRATION_TOKENS)) if kv_dtype == FP8_DTYPE else None
+        self._allocate_caches(num_slots, max_seq_len, kv_dtype, scales)
+        kernel = None
+        if attention == "triton":
+            from orpheus_serve.engines.decode_attention import decode_attention
+
+            kernel = decode_attention
+        for layer in self.layers:
+            layer.attention.decode_kernel = kernel
+        self.attention_kernel = attention
+
+    def _allocate_caches(self, num_slots: int, max_seq_len: int, kv_dtype: torch.dtype,
+                         scales: list[tuple[Tensor, Tensor]] | None) -> None:
         cfg = self.config
         dtype, device = self.output.weight.dtype, self.output.weight.device
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(num_slots, cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype, device)
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = KVCache(num_slots, cfg.n_kv_heads, max_seq_len, cfg.head_dim, kv_dtype, device,
+                                               compute_dtype=dtype, scales=None if scales is None else scales[i])
         cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_seq_len)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)  # [S, D/2] fp32
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
 
+    def _calibrate_kv_scales(self, length: int) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the FP8 scales (k [Hkv], v [Hkv]) from the amax of K and V over a seeded prompt of
+        `length` tokens in the Orpheus layout (text ids, then audio ids) run at the model's precision in a
+        one-slot cache that is dropped afterwards."""
+        device = self.output.weight.device
+        self._allocate_caches(1, length, self.output.weight.dtype, None)
+        gen = torch.Generator().manual_seed(0)
+        n_text = max(1, length // 4 - len(P.PROMPT_SUFFIX) - 2)
+        text = torch.randint(0, P.BOS, (n_text,), generator=gen).tolist()
+        prompt = [P.START_OF_HUMAN, P.BOS, *text, *P.PROMPT_SUFFIX]
+        audio = torch.randint(P.AUDIO_TOKEN_BASE, P.AUDIO_VOCAB_END, (max(0, length - len(prompt)),), generator=gen).tolist()
+        tokens = torch.tensor([*prompt, *audio][:length], dtype=torch.int64, device=device)
+        caches = [layer.attention.kv_cache for layer in self.layers]
+        for cache in caches:
+            assert cache is not None
+            cache.observed_amax = torch.zeros(2, self.config.n_kv_heads, device=device)
+        self.prefill(tokens, 0, 0)
+        scales = []
+        for cache in caches:
+            assert cache is not None and cache.observed_amax is not None
+            scales.append((kv_scales(cache.observed_amax[0]), kv_scales(cache.observed_amax[1])))
+            cache.observed_amax = None
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+        return scales
+
+    def quantize_weights_fp8(self) -> None:
+        """Replace every decoder layer's four GEMMs by FP8 ones (fp8.py); norms, embedding and LM head stay."""
+        for layer in self.layers:
+            attention, mlp = layer.attention, layer.feed_forward
+            attention.wqkv = Fp8Linear.from_linear(attention.wqkv)
+            attention.wo = Fp8Linear.from_linear(attention.wo)
+            mlp.w13 = Fp8Linear.from_linear(mlp.w13)
+            mlp.w2 = Fp8Linear.from_linear(mlp.w2)
+
     def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
                 lora: LoraBatch | None = None) -> Tensor:
         """tokens, positions [B, T]; slots [B]; every position < kv_len <= max_seq_len; `lora`: the
         rows' LoRA adapters (engines/lora.py), None when no row has one.
         Returns the final-norm hidden states [B, T, dim]: the caller projects only the rows and
-        vocabulary entries it needs (`logits`, or sampling.constrained_logits)."""
+        vocabulary entries it needs (`logits`, or sampling.constrained_logits). With the Triton
+        kernel, single-token passes ignore kv_len (each row reads up to its own position)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         G = self.config.n_heads // self.config.n_kv_heads
         B, T = tokens.shape
-        visible = self.cache_positions[:kv_len] <= positions.unsqueeze(-1)  # [B, T, S]
-        mask = visible.unsqueeze(1).expand(B, G, T, kv_len).reshape(B, 1, G * T, kv_len)  # query rows g*T + t
+        mask: Tensor | None = None
+        lengths: Tensor | None = None
+        if T == 1 and self.attention_kernel == "triton":
+            lengths = positions[:, 0] + 1
+        else:
+            visible = self.cache_positions[:kv_len] <= positions.unsqueeze(-1)  # [B, T, S]
+            mask = visible.unsqueeze(1).expand(B, G, T, kv_len).reshape(B, 1, G * T, kv_len)  # query rows g*T + t
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, slots, positions, kv_len, None if lora is None else lora.layer(i))
+            x = layer(x, cos, sin, mask, slots, positions, kv_len, None if lora is None else lora.layer(i), lengths)
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -5,8 +5,9 @@ slot), which the TensorRT-LLM engine and its build use as well; this module adds
 what only the torch engine allocates and checks the plan against the device.
 
 Everything the torch engine allocates is known before it loads a byte: the weights
-(parameter count x dtype size), the KV cache (per slot:
-2 x layers x kv_heads x head_dim x max_seq_len x dtype size) and a per-slot presence mask
+(parameter count x dtype size; with FP8 weights the decoder layers' GEMMs at one byte per
+weight plus an fp32 scale per output channel), the KV cache (per slot:
+2 x layers x kv_heads x head_dim x max_seq_len x the cache dtype's size: 1 for FP8) and a per-slot presence mask
 for the repetition penalty (vocab bytes), plus working memory for one decode step (logits
 and sampling buffers for max_batch_size rows). On CUDA with decode graphs it also holds one
 scratch cache row that the graphs' padding rows write into, and the graphs' shared memory pool
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from orpheus_serve.engines import vram_budget
+from orpheus_serve.engines.fp8 import fp8_weight_bytes
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.scheduler.step import EngineError
 
@@ -44,8 +46,19 @@ def kv_bytes_per_slot(config: LlamaConfig, max_seq_len: int, dtype: torch.dtype)
     return vram_budget.kv_bytes_per_slot(config.dims, max_seq_len, dtype_bytes(dtype))
 
 
-def weights_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    return config.num_parameters * dtype_bytes(dtype)
+def weights_bytes(config: LlamaConfig, dtype: torch.dtype, quantization: str = "none") -> int:
+    """The model's parameters in `dtype`; `quantization: fp8`: the layers' GEMMs as Fp8Linear instead."""
+    total = config.num_parameters * dtype_bytes(dtype)
+    if quantization == "none":
+        return total
+    if quantization != "fp8":
+        raise EngineError(f"unknown quantization {quantization!r}; expected none or fp8")
+    c = config
+    gemms = [(c.q_size + 2 * c.kv_size, c.dim), (c.dim, c.q_size), (2 * c.intermediate_size, c.dim),
+             (c.dim, c.intermediate_size)]
+    high = sum(n * k for n, k in gemms) * dtype_bytes(dtype)
+    low = sum(fp8_weight_bytes(n, k) for n, k in gemms)
+    return total + c.n_layers * (low - high)
 
 
 def step_workspace_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
@@ -112,6 +125,7 @@ class MemoryPlan:
     graph_pool_bytes: int = 0
     codec_bytes: int = 0  # the SNAC decoder, when it shares the device
     lora_pool_bytes: int = 0  # the LoRA adapter pool (engines/lora.py), when custom voices are on
+    kv_dtype: str = ""  # the cache's element type as torch names it (float8_e4m3fn, bfloat16, ...)
 
     @property
     def fixed_bytes(self) -> int:
@@ -149,7 +163,8 @@ class MemoryPlan:
             ("graph pool", self.graph_pool_bytes), ("SNAC", self.codec_bytes), ("LoRA pool", self.lora_pool_bytes))
             if size)
         scratch = f" (+{self.scratch_slots} scratch)" if self.scratch_slots else ""
-        return (f"weights {self.weights_bytes / GiB:.2f} GiB + KV cache {self.kv_bytes_per_slot / MiB:.1f} MiB/slot "
+        kv = f"KV cache {self.kv_dtype} " if self.kv_dtype else "KV cache "
+        return (f"weights {self.weights_bytes / GiB:.2f} GiB + {kv}{self.kv_bytes_per_slot / MiB:.1f} MiB/slot "
                 f"(max_seq_len {self.max_seq_len}) x {self.num_slots} slots{scratch}{extras} = "
                 f"{self.total_bytes / GiB:.2f} GiB{budget}; {fit}")
 
@@ -168,12 +183,14 @@ class MemoryPlan:
 
 def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype: torch.dtype,
                 max_batch_size: int, budget_bytes: int | None, cuda_graphs: bool = False,
-                codec_bytes: int = 0, lora_pool_bytes: int = 0) -> MemoryPlan:
+                codec_bytes: int = 0, lora_pool_bytes: int = 0, kv_dtype: torch.dtype | None = None,
+                quantization: str = "none") -> MemoryPlan:
     """`cuda_graphs`: the engine captures decode graphs (CUDA only); `codec_bytes`: what the SNAC
-    decoder will take on the same device (0 when it runs elsewhere)."""
+    decoder will take on the same device (0 when it runs elsewhere); `kv_dtype`: the cache's dtype
+    (default `dtype`); `quantization`: none or fp8 (the layers' GEMM weights)."""
     return MemoryPlan(
-        weights_bytes=weights_bytes(config, dtype),
-        kv_bytes_per_slot=kv_bytes_per_slot(config, max_seq_len, dtype),
+        weights_bytes=weights_bytes(config, dtype, quantization),
+        kv_bytes_per_slot=kv_bytes_per_slot(config, max_seq_len, kv_dtype or dtype),
         presence_bytes_per_slot=config.vocab_size,
         workspace_bytes=step_workspace_bytes(config, max_batch_size, max_seq_len, dtype),
         num_slots=num_slots,
@@ -183,4 +200,5 @@ def plan_memory(config: LlamaConfig, *, num_slots: int, max_seq_len: int, dtype:
         graph_pool_bytes=graph_pool_bytes(config, max_batch_size, max_seq_len, dtype) if cuda_graphs else 0,
         codec_bytes=codec_bytes,
         lora_pool_bytes=lora_pool_bytes,
+        kv_dtype=str(kv_dtype or dtype).removeprefix("torch."),
     )

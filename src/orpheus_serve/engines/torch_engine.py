@@ -33,7 +33,9 @@ identically, when the session runs again, and is never read before that.
 
 On CUDA all work runs on the engine's own stream, and decode steps replay CUDA graphs captured
 at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-two KV lengths
-(256 ... max_seq_len). Padding rows write into a scratch slot that no session owns. Prefill
+(256 ... max_seq_len). With `attention="triton"` (decode_attention.py: each row reads its own
+slot up to its own length, whatever the batch's longest) one graph per padded batch size serves
+every length. Padding rows write into a scratch slot that no session owns. Prefill
 (variable length) and sampling (a few dozen kernels, no host sync) run eagerly. The graphs'
 static inputs are created on the engine's stream, after everything queued before the capture.
 
@@ -53,7 +55,9 @@ batch-invariant would need batch-invariant kernels (fixed reduction order whatev
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -67,7 +71,7 @@ from torch import Tensor
 from orpheus_serve import token_format as P
 from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.base import MemoryReport
-from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype
+from orpheus_serve.engines.llama import LlamaConfig, Transformer, kv_torch_dtype, load_transformer, torch_dtype
 from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, LoraPool
 from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
 from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, available_bytes, padded_sizes, plan_memory
@@ -168,6 +172,24 @@ class DecodeGraphs:
         return hidden[:n]
 
 
+def _attention_kernel(name: str, device: torch.device) -> str:
+    """`auto`: the Triton decode kernel on CUDA (where triton is installed), SDPA elsewhere. Triton on a CPU
+    runs in its interpreter only."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "sdpa"
+    if name not in ("sdpa", "triton"):
+        raise EngineError(f"unknown attention kernel {name!r}; expected auto, sdpa or triton")
+    if name == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            raise EngineError("engine.attention: triton needs the triton package (pip install triton)") from exc
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise EngineError(f"engine.attention: triton on {device.type} runs in Triton's interpreter only: "
+                              "set TRITON_INTERPRET=1 (slow; for tests) or use attention sdpa")
+    return name
+
+
 class TorchEngine:
     """Slot-batched Llama token engine (see the module docstring)."""
 
@@ -175,10 +197,12 @@ class TorchEngine:
                  dtype: str = "fp32", max_batch_size: int = 16, cuda_graphs: bool = True,
                  memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0,
                  sdpa: Sequence[str] = DEFAULT_SDPA_BACKENDS, model: Transformer | None = None,
-                 adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64) -> None:
+                 adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64,
+                 attention: str = "sdpa", kv_cache_dtype: str | None = None, quantization: str = "none") -> None:
         """`sdpa`: the attention kernels PyTorch may pick on CUDA (engines/sdpa.py). `model`: weights already
         loaded from `model_path` on `device` in `dtype`, shared by engines run one after another (a benchmark);
-        its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py."""
+        its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py.
+        `attention` (sdpa | triton), `kv_cache_dtype`, `quantization` (none | fp8): docs/ATTENTION.md."""
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = Path(model_path)
@@ -189,6 +213,12 @@ class TorchEngine:
             raise EngineError(f"device {device!r} requested but CUDA is not available")
         self.dtype = torch_dtype(dtype)
         self._sdpa = sdpa_backends(sdpa)
+        self.kv_dtype = kv_torch_dtype(kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else self.dtype
+        self.attention = _attention_kernel(attention, self.device)
+        if quantization not in ("none", "fp8"):
+            raise EngineError(f"unknown quantization {quantization!r}; expected none or fp8")
+        if quantization == "fp8" and model is not None:
+            raise EngineError("a shared model cannot be quantised to FP8 by one of its engines")
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -206,7 +236,8 @@ class TorchEngine:
                            max_batch_size=max_batch_size, cuda_graphs=use_graphs, codec_bytes=codec_bytes,
                            budget_bytes=None if budget is None else int(budget * memory_fraction),
                            lora_pool_bytes=lora_pool_bytes(self.config, max_loras=max_loras, max_rank=max_lora_rank,
-                                                           dtype=self.dtype) if use_lora else 0)
+                                                           dtype=self.dtype) if use_lora else 0,
+                           kv_dtype=self.kv_dtype, quantization=quantization)
         logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
         plan.check()
         self.memory_plan = plan
@@ -218,8 +249,11 @@ class TorchEngine:
                 raise EngineError(f"shared model is {model.output.weight.dtype} on {model.output.weight.device}, "
                                   f"this engine runs {self.dtype} on {self.device}")
             self.model = model
+            if quantization == "fp8":
+                self.model.quantize_weights_fp8()
             # With graphs, one extra cache row takes the padding rows' writes.
-            self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len)
+            self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len,
+                                    kv_dtype=self.kv_dtype, attention=self.attention)
             # On a CPU, sorting 4097 candidates per row costs more than the rest of sampling: filter
             # among the 64 most likely first (exact; rows whose top-p set is wider get the sort).
             self._sampling = SlotSamplingState(num_slots, self.config.vocab_size, self.device,
@@ -246,7 +280,8 @@ class TorchEngine:
             with torch.inference_mode(), self._on_stream():
                 self._graphs = DecodeGraphs(
                     self.model, batch_sizes=padded_sizes(max_batch_size),
-                    kv_lens=padded_sizes(max_seq_len, GRAPH_KV_BUCKET),
+                    # The Triton kernel's shapes do not depend on the context: one length bucket.
+                    kv_lens=[max_seq_len] if self.attention == "triton" else padded_sizes(max_seq_len, GRAPH_KV_BUCKET),
                     scratch_slot=num_slots, stream=self._stream,
                     lora_pool=self.lora.pool if self.lora is not None else None)
             logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs),
@@ -275,6 +310,9 @@ class TorchEngine:
             max_loras=config.voices.max_loras,
             max_lora_rank=config.voices.max_lora_rank,
             sdpa=config.engine.sdpa_backends,
+            attention=config.engine.attention,
+            kv_cache_dtype=config.engine.kv_cache_dtype,
+            quantization=config.engine.quantization,
         )
 
     # ------------------------------------------------------------------ TokenEngine
@@ -322,11 +360,12 @@ class TorchEngine:
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
         kv_total = sum(b.numel() * b.element_size() for name, b in self.model.named_buffers()
                        if name.endswith(("k_cache", "v_cache")))
-        c = self.config
-        per_slot = 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.max_seq_len * self.model.output.weight.element_size()
+        per_slot = sum(b[0].numel() * b.element_size() for name, b in self.model.named_buffers()
+                       if name.endswith(("k_cache", "v_cache")))
         return MemoryReport(device=str(self.device), weights_bytes=sum(weights.values()), kv_cache_bytes=kv_total,
                             kv_bytes_per_slot=per_slot, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
-                            free_bytes=available_bytes(self.device))
+                            free_bytes=available_bytes(self.device),
+                            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."))
 
     def close(self) -> None:
         if self._closed:

@@ -134,6 +134,7 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "used_slots": s.used_slots,
             "free_slots": s.free_slots,
             "usage": round(s.used_slots / max(s.max_concurrent, 1), 4),
+            "dtype": mem.kv_cache_dtype,
             "bytes_per_slot": mem.kv_bytes_per_slot,
             "total_bytes": mem.kv_cache_bytes,
             "max_seq_len": mem.max_seq_len,
