@@ -74,7 +74,7 @@ from orpheus_serve.engines.base import MemoryReport
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, kv_torch_dtype, load_transformer, torch_dtype
 from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, LoraPool
 from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
-from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, available_bytes, padded_sizes, plan_memory
+from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, MemoryPlan, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
 from orpheus_serve.engines.sdpa import DEFAULT_SDPA_BACKENDS, pinned_sdpa, sdpa_backends, serving_backend
 from orpheus_serve.scheduler.step import (
@@ -229,18 +229,10 @@ class TorchEngine:
 
         use_graphs = cuda_graphs and self.device.type == "cuda"
         use_lora = adapters_dir is not None and max_loras > 0
-        budget = available_bytes(self.device)
-        if budget is not None and model is not None:  # the shared weights are resident already: the plan counts them
-            budget += sum(p.numel() * p.element_size() for p in model.parameters())
-        plan = plan_memory(self.config, num_slots=num_slots, max_seq_len=max_seq_len, dtype=self.dtype,
-                           max_batch_size=max_batch_size, cuda_graphs=use_graphs, codec_bytes=codec_bytes,
-                           budget_bytes=None if budget is None else int(budget * memory_fraction),
-                           lora_pool_bytes=lora_pool_bytes(self.config, max_loras=max_loras, max_rank=max_lora_rank,
-                                                           dtype=self.dtype) if use_lora else 0,
-                           kv_dtype=self.kv_dtype, quantization=quantization)
-        logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
-        plan.check()
-        self.memory_plan = plan
+        self.memory_plan = self._plan(
+            shared=model, cuda_graphs=use_graphs, codec_bytes=codec_bytes, memory_fraction=memory_fraction,
+            lora_bytes=lora_pool_bytes(self.config, max_loras=max_loras, max_rank=max_lora_rank,
+                                       dtype=self.dtype) if use_lora else 0, quantization=quantization)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         with self._on_stream():
             if model is None:
@@ -275,17 +267,34 @@ class TorchEngine:
         if self.device.type == "cuda":
             logger.info("attention: SDPA limited to %s; %s serves decode", ", ".join(sdpa), self.sdpa_backend)
         if use_graphs:
-            assert self._stream is not None
-            started = time.perf_counter()
-            with torch.inference_mode(), self._on_stream():
-                self._graphs = DecodeGraphs(
-                    self.model, batch_sizes=padded_sizes(max_batch_size),
-                    # The Triton kernel's shapes do not depend on the context: one length bucket.
-                    kv_lens=[max_seq_len] if self.attention == "triton" else padded_sizes(max_seq_len, GRAPH_KV_BUCKET),
-                    scratch_slot=num_slots, stream=self._stream,
-                    lora_pool=self.lora.pool if self.lora is not None else None)
-            logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs),
-                        time.perf_counter() - started)
+            self._capture_graphs()
+
+    def _plan(self, *, shared: Transformer | None, cuda_graphs: bool, codec_bytes: int, memory_fraction: float,
+              lora_bytes: int, quantization: str) -> MemoryPlan:
+        """The memory plan on this device (engines/memory.py), checked: EngineError when it does not fit."""
+        budget = available_bytes(self.device)
+        if budget is not None and shared is not None:  # the shared weights are resident already: the plan counts them
+            budget += sum(p.numel() * p.element_size() for p in shared.parameters())
+        plan = plan_memory(self.config, num_slots=self.num_slots, max_seq_len=self.max_seq_len, dtype=self.dtype,
+                           max_batch_size=self.max_batch_size, cuda_graphs=cuda_graphs, codec_bytes=codec_bytes,
+                           budget_bytes=None if budget is None else int(budget * memory_fraction),
+                           lora_pool_bytes=lora_bytes, kv_dtype=self.kv_dtype, quantization=quantization)
+        logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
+        plan.check()
+        return plan
+
+    def _capture_graphs(self) -> None:
+        assert self._stream is not None
+        started = time.perf_counter()
+        with torch.inference_mode(), self._on_stream():
+            self._graphs = DecodeGraphs(
+                self.model, batch_sizes=padded_sizes(self.max_batch_size),
+                # The Triton kernel's shapes do not depend on the context: one length bucket.
+                kv_lens=[self.max_seq_len] if self.attention == "triton"
+                else padded_sizes(self.max_seq_len, GRAPH_KV_BUCKET),
+                scratch_slot=self.num_slots, stream=self._stream,
+                lora_pool=self.lora.pool if self.lora is not None else None)
+        logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
 
     @classmethod
     def from_config(cls, config: Config) -> TorchEngine:
