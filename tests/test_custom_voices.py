@@ -48,9 +48,10 @@ def voice_server(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path, *, engin
 
 def generated(server: ServerThread, response: httpx.Response) -> list[list[int]] | None:
     """The frames the engine generated for a response's request (in one process), None otherwise."""
-    log = server.server.service.token_log
-    if log is None:
+    token_log = server.server.service.token_log
+    if token_log is None:
         return None
+    log = token_log.snapshot()
     request_id = response.headers["X-Request-Id"]
     return [log[key]["frames"] for key in sorted(k for k in log if k.startswith(f"{request_id}-"))]
 

@@ -298,6 +298,7 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
 
 
+@pytest.mark.gpukit  # about a minute: with the full dry run, outside the CI lane
 def test_a_stage_past_its_deadline_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:
     """A stage that cannot stop by itself (here: frozen once its server and engine core are up) is ended
     at the call's deadline with everything it started: nothing is left holding the card."""
