@@ -55,9 +55,9 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.requests import HTTPConnection
@@ -68,12 +68,10 @@ from ..request.errors import ClientStalledError, InvalidRequestError, SynthesisE
 from ..request.text_stream import TextStream
 from ..request.types import ChunkTimings, SynthesisRequest
 from ..token_format import DEFAULT_VOICE, SAMPLE_RATE, UnknownVoiceError, resolve_voice
+from .context_socket import ContextSocket, Incoming
 from .errors import TooManyConnectionsError, UnauthorizedError, mapping_for
 from .gateway import Gateway, OutputOptions
 from .json_frames import json_object_frame
-
-if TYPE_CHECKING:
-    from starlette.types import Message
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +83,9 @@ API_VERSION = "2025-04-16"
 ENCODINGS: dict[str, str] = {"pcm_s16le": "pcm", "pcm_f32le": "pcm", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
 # Contexts one socket may have open at once (each holds a text buffer and, while it speaks, a stream).
 MAX_CONTEXTS_PER_CONNECTION = 32
-# Client messages read ahead of the handler; past it the reader stops reading (TCP pushes back).
-INBOX_MESSAGES = 64
 # Cancelled context ids remembered per socket, so text that was in flight when the cancel was sent does
 # not open the context again.
 CANCELLED_MEMORY = 256
-CLOSE_TRY_AGAIN_LATER = 1013
 _UUID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$", re.IGNORECASE)
 
 
@@ -265,12 +260,6 @@ class StepClock:
 # ---------------------------------------------------------------- the connection
 
 
-@dataclass(frozen=True, slots=True)
-class _Incoming:
-    message: Message
-    received_at: float
-
-
 @dataclass(slots=True)
 class _Context:
     context_id: str
@@ -279,84 +268,20 @@ class _Context:
     task: asyncio.Task[None] | None = None
 
 
-class CartesiaConnection:
-    """One socket: a reader task feeding a bounded inbox, and one task per open context."""
+class CartesiaConnection(ContextSocket):
+    """One socket: a reader task feeding a bounded inbox, and one task per open context (api/context_socket.py)."""
+
+    protocol = "cartesia"
 
     def __init__(self, websocket: WebSocket, gateway: Gateway) -> None:
-        self.ws = websocket
-        self.gateway = gateway
-        self._send_lock = asyncio.Lock()
-        self._send_timeout_s = gateway.config.server.stalled_client_timeout_s
-        self._inbox: asyncio.Queue[_Incoming] = asyncio.Queue(maxsize=INBOX_MESSAGES)
+        super().__init__(websocket, gateway)
         self._contexts: dict[str, _Context] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._gone = asyncio.Event()  # the client left, or stopped reading: the connection ends
-        self._stalled = False
 
-    # ---- sending
+    async def _refuse_connection(self, exc: TooManyConnectionsError) -> None:
+        await self.ws.send_text(json.dumps(error_message(exc, None)))
 
-    async def _send(self, body: dict[str, Any]) -> None:
-        """Send one message; a client that takes nothing for server.stalled_client_timeout_s is cut off."""
-        if self._stalled:
-            raise ClientStalledError("the client stopped reading")
-        text = json.dumps(body, separators=(",", ":"))
-        try:
-            await asyncio.wait_for(self._send_locked(text), self._send_timeout_s)
-        except asyncio.TimeoutError:
-            self._cut_off()
-            raise ClientStalledError("the client stopped reading") from None
-
-    async def _send_locked(self, text: str) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(text)
-
-    def _cut_off(self) -> None:
-        if not self._stalled:
-            log.info("Cartesia WebSocket: the client took nothing for %.1f s; cutting it off", self._send_timeout_s)
-        self._stalled = True
-        self._gone.set()
-
-    # ---- the connection's life
-
-    async def run(self) -> None:
-        try:
-            lease = self.gateway.acquire_connection("cartesia")
-        except TooManyConnectionsError as exc:
-            await self.ws.accept()
-            await self.ws.send_text(json.dumps(error_message(exc, None)))
-            await self.ws.close(CLOSE_TRY_AGAIN_LATER)
-            return
-        reader: asyncio.Task[None] | None = None
-        try:
-            await self.ws.accept()
-            reader = asyncio.create_task(self._read(), name="cartesia-reader")
-            await self._serve()
-        except (WebSocketDisconnect, OSError) as exc:
-            log.debug("Cartesia WebSocket closed by the client: %r", exc)
-        finally:
-            tasks = [c.task for c in self._contexts.values() if c.task is not None]
-            for task in [*tasks, reader]:
-                if task is not None and not task.done():
-                    task.cancel()
-            pending = {t for t in [*tasks, reader] if t is not None}
-            if pending:
-                await asyncio.wait(pending)
-            self._contexts.clear()
-            lease.release()
-            if self._stalled:
-                self.gateway.reset_connection(self.ws.scope.get("client"))
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                await self._inbox.put(_Incoming(message, time.perf_counter()))
-        finally:
-            self._gone.set()
-
-    async def _serve(self) -> None:
+    async def _serve(self) -> int | None:
         gone = asyncio.create_task(self._gone.wait())
         try:
             while True:
@@ -365,16 +290,16 @@ class CartesiaConnection:
                 if not next_message.done():
                     # The client left or stopped reading: its contexts are cancelled, what it sent is moot.
                     next_message.cancel()
-                    return
+                    return None
                 await self._handle(next_message.result())
         except ClientStalledError:
-            return
+            return None
         finally:
             gone.cancel()
 
     # ---- client messages
 
-    async def _handle(self, incoming: _Incoming) -> None:
+    async def _handle(self, incoming: Incoming) -> None:
         try:
             body = json_object_frame(incoming.message)
         except InvalidRequestError as exc:
@@ -463,27 +388,8 @@ class CartesiaConnection:
 
     # ---- one context
 
-    async def _speak(self, ctx: _Context, received_at: float) -> None:
-        """Serve one context to its end; its errors, the server's own included, become error messages."""
-        try:
-            await self._serve_context(ctx, received_at)
-        except ClientStalledError:
-            self._cut_off()
-        except (WebSocketDisconnect, OSError):
-            self._gone.set()
-        except Exception:
-            log.exception("Cartesia context %s failed", ctx.context_id)
-            await self._send_quietly(error_message(SynthesisError("internal server error"), ctx.context_id))
-        finally:
-            if self._contexts.get(ctx.context_id) is ctx:
-                del self._contexts[ctx.context_id]
-
-    async def _send_quietly(self, body: dict[str, Any]) -> None:
-        """Send a last message for a context whose client may be gone already."""
-        try:
-            await self._send(body)
-        except (ClientStalledError, WebSocketDisconnect, OSError):
-            self._gone.set()
+    def _internal_error(self, ctx: _Context) -> dict[str, Any]:
+        return error_message(SynthesisError("internal server error"), ctx.context_id)
 
     async def _serve_context(self, ctx: _Context, received_at: float) -> None:
         spec = ctx.spec

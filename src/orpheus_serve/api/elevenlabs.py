@@ -60,7 +60,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -71,6 +71,7 @@ from ..request.types import ChunkTimings, SynthesisRequest
 from ..service.voices import Voice, VoiceCatalog
 from ..service.word_timings import words_of
 from ..token_format import OPENAI_VOICE_ALIASES, SAMPLE_RATE, VOICES, UnknownVoiceError, resolve_voice
+from .context_socket import ContextSocket, Incoming
 from .errors import TooManyConnectionsError, elevenlabs_error_body, http_headers, mapping_for
 from .gateway import Gateway, OutputOptions, SpeechStream
 from .json_frames import json_object_frame
@@ -84,14 +85,11 @@ PROTOCOL = "elevenlabs"
 # stability 0..1 -> temperature SPAN..0: ElevenLabs' default 0.5 is Orpheus' usual 0.6, full stability is greedy.
 STABILITY_TEMPERATURE_SPAN = 1.2
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"
-# Client messages read ahead of the handler; past it the reader stops reading (TCP pushes back).
-INBOX_MESSAGES = 64
 MAX_CONTEXTS_PER_CONNECTION = 32
 # Finished context ids remembered per socket, so text in flight after a close_context does not reopen one.
 FINISHED_MEMORY = 256
 CLOSE_POLICY_VIOLATION = 1008
 SENTENCE_END = ".!?"
-CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 
 
@@ -465,38 +463,18 @@ class _SocketSpec:
     multi: bool  # multi-stream-input (contexts by id) or stream-input (one context)
 
 
-class ElevenLabsSocket:
-    """One stream-input or multi-stream-input socket: a reader feeding a bounded inbox, one task per context."""
+class ElevenLabsSocket(ContextSocket):
+    """One stream-input or multi-stream-input socket: a reader feeding a bounded inbox, one task per context
+    (api/context_socket.py)."""
+
+    protocol = PROTOCOL
 
     def __init__(self, websocket: WebSocket, gateway: Gateway, spec: _SocketSpec) -> None:
-        self.ws = websocket
-        self.gateway = gateway
+        super().__init__(websocket, gateway)
         self.spec = spec
         self._contexts: dict[str | None, _Context] = {}  # open contexts (stream-input: the one, under None)
-        self._send_lock = asyncio.Lock()
-        self._send_timeout_s = gateway.config.server.stalled_client_timeout_s
-        self._inbox: asyncio.Queue[tuple[dict[str, Any], float]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
-        self._gone = asyncio.Event()
         self._closing = False  # close_socket (multi) or end of text (single): close once every context is done
         self._finished: OrderedDict[str | None, None] = OrderedDict()
-        self._stalled = False
-
-    # ---- sending
-
-    async def _send(self, body: dict[str, Any]) -> None:
-        if self._stalled:
-            raise ClientStalledError("the client stopped reading")
-        text = json.dumps(body, separators=(",", ":"))
-        try:
-            await asyncio.wait_for(self._send_locked(text), self._send_timeout_s)
-        except asyncio.TimeoutError:
-            self._stalled = True
-            self._gone.set()
-            raise ClientStalledError("the client stopped reading") from None
-
-    async def _send_locked(self, text: str) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(text)
 
     def _reply(self, context_id: str | None, **fields: Any) -> dict[str, Any]:
         return {**fields, "contextId": context_id} if self.spec.multi else fields
@@ -505,47 +483,8 @@ class ElevenLabsSocket:
         message = str(exc) or exc.__class__.__name__
         await self._send(self._reply(context_id, error=exc.code, message=message, code=status_of(exc)))
 
-    # ---- the connection's life
-
-    async def run(self) -> None:
-        try:
-            lease = self.gateway.acquire_connection(PROTOCOL)
-        except TooManyConnectionsError as exc:
-            await self.ws.accept()
-            await self._error(exc)
-            await self.ws.close(CLOSE_TRY_AGAIN_LATER)
-            return
-        reader: asyncio.Task[None] | None = None
-        try:
-            await self.ws.accept()
-            reader = asyncio.create_task(self._read(), name="elevenlabs-reader")
-            code = await self._serve()
-            if code is not None:
-                await self.ws.close(code)
-        except (WebSocketDisconnect, OSError, ClientStalledError) as exc:
-            log.debug("ElevenLabs WebSocket ended: %r", exc)
-        finally:
-            tasks = [c.task for c in self._contexts.values() if c.task is not None]
-            for task in [*tasks, reader]:
-                if task is not None and not task.done():
-                    task.cancel()
-            pending = {t for t in [*tasks, reader] if t is not None}
-            if pending:
-                await asyncio.wait(pending)
-            self._contexts.clear()
-            lease.release()
-            if self._stalled:
-                self.gateway.reset_connection(self.ws.scope.get("client"))
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                await self._inbox.put((message, time.perf_counter()))
-        finally:
-            self._gone.set()
+    async def _refuse_connection(self, exc: TooManyConnectionsError) -> None:
+        await self._error(exc)
 
     async def _serve(self) -> int | None:
         """Handle messages until the client leaves (None) or the socket is to close (its close code)."""
@@ -565,7 +504,7 @@ class ElevenLabsSocket:
                     if gone.done():
                         return None
                     continue  # a context finished while the socket closes
-                code = await self._handle(*next_message.result())
+                code = await self._handle(next_message.result())
                 if code is not None:
                     return code
         finally:
@@ -573,9 +512,10 @@ class ElevenLabsSocket:
 
     # ---- client messages
 
-    async def _handle(self, message: dict[str, Any], received_at: float) -> int | None:
+    async def _handle(self, incoming: Incoming) -> int | None:
+        received_at = incoming.received_at
         try:
-            body = json_object_frame(message)
+            body = json_object_frame(incoming.message)
         except InvalidRequestError as exc:
             return await self._refuse(exc)
         try:
@@ -663,8 +603,7 @@ class ElevenLabsSocket:
 
     def _forget(self, ctx: _Context) -> None:
         """The context is over: its id is remembered, so text that was in flight does not open it again."""
-        if self._contexts.get(ctx.context_id) is ctx:
-            del self._contexts[ctx.context_id]
+        super()._forget(ctx)
         self._finished[ctx.context_id] = None
         self._finished.move_to_end(ctx.context_id)
         while len(self._finished) > FINISHED_MEMORY:
@@ -679,25 +618,8 @@ class ElevenLabsSocket:
 
     # ---- one context
 
-    async def _speak(self, ctx: _Context, received_at: float) -> None:
-        try:
-            await self._serve_context(ctx, received_at)
-        except ClientStalledError:
-            self._gone.set()
-        except (WebSocketDisconnect, OSError):
-            self._gone.set()
-        except Exception:
-            log.exception("ElevenLabs context %s failed", ctx.context_id)
-            await self._send_quietly(self._reply(ctx.context_id, error="internal_error",
-                                                 message="internal server error", code=500))
-        finally:
-            self._forget(ctx)
-
-    async def _send_quietly(self, body: dict[str, Any]) -> None:
-        try:
-            await self._send(body)
-        except (ClientStalledError, WebSocketDisconnect, OSError):
-            self._gone.set()
+    def _internal_error(self, ctx: _Context) -> dict[str, Any]:
+        return self._reply(ctx.context_id, error="internal_error", message="internal server error", code=500)
 
     async def _serve_context(self, ctx: _Context, received_at: float) -> None:
         try:

@@ -60,6 +60,7 @@ from ..request.text_stream import TextStream
 from ..request.types import ChunkTimings, SynthesisRequest
 from ..request.validation import is_request_id
 from ..token_format import SAMPLE_RATE
+from .context_socket import CLOSE_TRY_AGAIN_LATER, INBOX_MESSAGES
 from .errors import RequestLimitError, TooManyConnectionsError, error_body
 from .gateway import Gateway
 from .json_frames import json_object_frame
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STREAM_PATH = "/v1/audio/stream"
-CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_INVALID_PAYLOAD = 1007
 CLOSED_CONTEXTS_REMEMBERED = 64
@@ -129,7 +129,8 @@ class StreamConnection:
         self.max_requests = gateway.config.server.max_ws_requests_per_connection
         self.max_contexts = gateway.config.server.max_ws_contexts_per_connection
         self._send_lock = asyncio.Lock()
-        self._inbox: asyncio.Queue[_Incoming] = asyncio.Queue()
+        # Bounded: past it the reader stops reading, and the client's own socket pushes back.
+        self._inbox: asyncio.Queue[_Incoming] = asyncio.Queue(maxsize=INBOX_MESSAGES)
         self._queued: deque[_Job] = deque()
         self._current: asyncio.Task[None] | None = None
         self._current_id: str | None = None
@@ -161,9 +162,9 @@ class StreamConnection:
         while True:
             message = await self.ws.receive()
             if message["type"] == "websocket.disconnect":
-                self._inbox.put_nowait(_Incoming(None, time.perf_counter()))
+                await self._inbox.put(_Incoming(None, time.perf_counter()))
                 return
-            self._inbox.put_nowait(_Incoming(message, time.perf_counter()))
+            await self._inbox.put(_Incoming(message, time.perf_counter()))
 
     async def run(self) -> None:
         try:
