@@ -131,15 +131,23 @@ async def synthesize_rest(base_url: str, text: str, *, voice: str | None = None,
         body["voice"] = voice
     result = ClientResult("rest", time.perf_counter(), format=fmt, sample_rate=default_sample_rate(fmt),
                           text_chars=len(text))
+    return await _post_streamed(result, base_url, f"{base_url.rstrip('/')}/v1/audio/speech", client=client,
+                                timeout_s=timeout_s, json=body, headers=_auth_headers(api_key))
+
+
+async def _post_streamed(result: ClientResult, base_url: str, url: str, *, client: httpx.AsyncClient | None,
+                         timeout_s: float, error_message: Callable[[bytes], tuple[str, str | None]] | None = None,
+                         **request: Any) -> ClientResult:
+    """POST `url` and stream the audio body into `result`; an HTTP error or a transport failure becomes
+    the result's status (`error_message` reads the protocol's error body)."""
     own_client = client is None
     http = client if client is not None else http_client(base_url, timeout_s)
     try:
         result.sent_s = time.perf_counter()
-        async with http.stream("POST", f"{base_url.rstrip('/')}/v1/audio/speech", json=body,
-                               headers=_auth_headers(api_key)) as response:
+        async with http.stream("POST", url, **request) as response:
             result.request_id = response.headers.get("x-request-id")
             if response.status_code != 200:
-                message, code = _error_message(await response.aread())
+                message, code = (error_message or _error_message)(await response.aread())
                 status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
                 return result._fail(status, f"HTTP {response.status_code}: {message}", code or
                                     str(response.status_code))
@@ -330,34 +338,18 @@ async def synthesize_elevenlabs(base_url: str, text: str, *, voice: str | None =
     body: dict[str, Any] = {"text": text, "model_id": "orpheus", "voice_settings": settings,
                             "seed": sampling.get("seed")}
     url = f"{base_url.rstrip('/')}/v1/text-to-speech/{voice or 'tara'}/stream"
-    own_client = client is None
-    http = client if client is not None else http_client(base_url, timeout_s)
+    return await _post_streamed(result, base_url, url, client=client, timeout_s=timeout_s,
+                                error_message=_elevenlabs_error_message, json=body,
+                                params={"output_format": _ELEVENLABS_FORMATS[fmt].format(rate=rate)},
+                                headers={"xi-api-key": api_key} if api_key else {})
+
+
+def _elevenlabs_error_message(body: bytes) -> tuple[str, str | None]:
     try:
-        result.sent_s = time.perf_counter()
-        async with http.stream("POST", url, json=body, params={"output_format": _ELEVENLABS_FORMATS[fmt].format(
-                rate=rate)}, headers={"xi-api-key": api_key} if api_key else {}) as response:
-            result.request_id = response.headers.get("x-request-id")
-            if response.status_code != 200:
-                raw = await response.aread()
-                try:
-                    detail = json.loads(raw)["detail"]
-                    message, code = str(detail["message"]), detail.get("status")
-                except (ValueError, KeyError, TypeError):
-                    message, code = raw.decode(errors="replace")[:300], None
-                status = "rejected" if response.status_code in _REJECTED_HTTP else "error"
-                return result._fail(status, f"HTTP {response.status_code}: {message}", code or
-                                    str(response.status_code))
-            async for data in response.aiter_raw():
-                if data:
-                    result._receive(data)
-    except httpx.ConnectError as exc:
-        return result._fail("error", f"cannot connect to {base_url}: {exc} (is the server running?)", "connect")
-    except httpx.HTTPError as exc:
-        return result._fail("error", f"{type(exc).__name__} talking to {base_url}: {exc}", "transport")
-    finally:
-        if own_client:
-            await http.aclose()
-    return result
+        detail = json.loads(body)["detail"]
+        return str(detail["message"]), detail.get("status")
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:300], None
 
 
 async def synthesize_grpc(address: str, text: str, *, voice: str | None = None, fmt: str = "pcm",
