@@ -34,13 +34,13 @@ def voices_dir(tmp_path_factory: pytest.TempPathFactory, tiny_orpheus: Path) -> 
 
 
 def voice_server(tiny_orpheus: Path, tiny_snac: Path, voices_dir: Path, *, engine_process: bool,
-                 api_keys: list[str] | None = None) -> ServerThread:
+                 api_keys: list[str] | None = None, **overrides: Any) -> ServerThread:
     """In one process the service records every session's tokens (what the engine generated, before the codec,
     whose float rounding depends on how frames of concurrent streams are grouped into its passes)."""
     config = tiny_config(tiny_orpheus, tiny_snac, **{
         "voices.adapters_dir": str(voices_dir), "voices.max_loras": 2, "voices.max_lora_rank": 8,
         "server.api_keys": [KEY] if api_keys is None else api_keys, "server.engine_process": engine_process,
-        "sampling.max_tokens": 140})
+        "sampling.max_tokens": 140, **overrides})
     if engine_process:
         return start_server(config)
     return ServerThread(config, build_service(config, record_tokens=True)).start()
@@ -175,6 +175,39 @@ def test_hot_load_and_unload_leave_running_streams_byte_identical(tiny_orpheus: 
         assert [generated(server, r) for r in busy] == [generated(server, r) for r in quiet]
         states = {a["name"]: a for a in admin(base, "GET", headers=AUTH).json()["adapters"]}
         assert all(a["sessions"] == 0 for a in states.values())
+    finally:
+        server.stop()
+
+
+def test_more_voices_than_the_pool_holds_wait_for_an_entry_and_all_speak(tiny_orpheus: Path, tiny_snac: Path,
+                                                                         voices_dir: Path) -> None:
+    """Three custom voices at once with a pool of two (voices.max_loras): the third voice's sessions wait in
+    the queue for a pool entry (the scheduler counts the voices in use) instead of failing, and each speaks
+    exactly the tokens it speaks alone."""
+    # Admission by free slots: on a CPU the capacity measure would let these sessions in one at a time.
+    server = voice_server(tiny_orpheus, tiny_snac, voices_dir, engine_process=False,
+                          **{"scheduler.admission": "slots"})
+    base = server.base_url
+    voices = ["voice0", "voice1", "voice2"] * 2  # six sessions, three voices, four slots
+    try:
+        alone = {v: generated(server, speak(base, v)) for v in set(voices)}
+        results: dict[int, httpx.Response] = {}
+        started = threading.Barrier(len(voices))
+
+        def one(index: int, voice: str) -> None:
+            started.wait()
+            results[index] = speak(base, voice)
+
+        threads = [threading.Thread(target=one, args=(i, v)) for i, v in enumerate(voices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [results[i].status_code for i in range(len(voices))] == [200] * len(voices), \
+            [results[i].text for i in range(len(voices)) if results[i].status_code != 200]
+        assert [generated(server, results[i]) for i in range(len(voices))] == [alone[v] for v in voices]
+        scheduler = httpx.get(f"{base}/v1/stats", headers=AUTH).json()["scheduler"]
+        assert scheduler["adapter_waits"] > 0 and scheduler["failed"] == 0
     finally:
         server.stop()
 

@@ -634,3 +634,43 @@ def test_random_traffic_with_cancels_and_timeouts_keeps_every_invariant() -> Non
     stats = sched.stats()
     assert (stats.used_slots, stats.active_sessions, stats.pending_sessions) == (0, 0, 0)
     assert stats.finished + stats.cancelled + stats.timed_out == len(submitted)
+
+
+# ----------------------------------------------------------------- custom voices (LoRA adapters)
+
+
+def test_a_session_on_a_new_adapter_waits_for_a_pool_entry_instead_of_failing() -> None:
+    """max_adapters distinct adapters run at once; a session on another one stays queued until a session ends
+    and the engine has released that session's slot (and with it the adapter's pin), then it starts."""
+    clock = FakeClock()
+    sched = Scheduler(config(), num_slots=8, clock=clock, max_adapters=2)
+    model = HandModel(frames=2)
+    for rid, adapter in [("a", "v1"), ("b", "v2"), ("c", "v3"), ("d", "v1"), ("e", None)]:
+        sched.submit(request(rid, clock, adapter=adapter))
+    plan, _ = run_step(sched, model, clock)
+    # v3 waits; a second v1 session and a base-model one do not.
+    assert [c.request_id for c in plan.prefill] == ["a", "b", "d", "e"]
+    assert sched.session_state("c") is SessionState.WAITING
+    ended: list[str] = []
+    while "a" not in ended:
+        plan, events = run_step(sched, model, clock)
+        ended += [e.request_id for e in of_type(events, SessionFinished)]
+        if "b" not in ended:
+            assert sched.session_state("c") is SessionState.WAITING, ended
+    # Every session started together, so all have ended now (v1 twice, v2): c is admitted, but only in a plan
+    # after the one that releases their slots.
+    assert set(ended) == {"a", "b", "d", "e"}
+    plan = sched.schedule()
+    assert sorted(plan.release) == [0, 1, 2, 3] and not plan.prefill
+    sched.update(plan, model.step(plan))
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.prefill] == ["c"]
+    assert sched.stats().adapter_waits > 0
+
+
+def test_without_an_adapter_limit_every_session_is_admitted() -> None:
+    clock = FakeClock()
+    sched = Scheduler(config(), num_slots=8, clock=clock)
+    for rid in "abcd":
+        sched.submit(request(rid, clock, adapter=f"voice-{rid}"))
+    assert [c.request_id for c in sched.schedule().prefill] == list("abcd")

@@ -174,6 +174,8 @@ class CoreRuntime:
             lookahead_samples=getattr(decoder, "lookahead_samples", lookahead * token_format.SAMPLES_PER_FRAME),
             delivery_feedback=True, max_frames_per_pass=config.codec.max_frames_per_pass,
             max_pass_s=config.codec.max_pass_ms / 1000,
+            # The torch engine's adapter pool (TensorRT-LLM's GPU LoRA cache) holds this many voices at once.
+            max_adapters=config.voices.max_loras if config.voices.adapters_dir is not None else None,
         )
         self._codec = CodecWorker(
             decoder, self._on_codec_result, max_batch=config.codec.max_batch,

@@ -553,7 +553,7 @@ class LoraManager:
                     self._info.pop(victim, None)
                 return entry
         raise AdapterBusyError(f"adapter {name!r} cannot be loaded: all {self.pool.max_loras} LoRA pool entries "
-                               f"(engine.max_loras) hold adapters of running sessions")
+                               f"(voices.max_loras) hold adapters of running sessions")
 
 
 ADAPTER_OPERATIONS = ("list", "load", "unload")

@@ -129,6 +129,7 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "rejected": s.rejected,
             "mean_batch_size": round(s.mean_batch_size, 3),
             "total_steps": s.total_steps,
+            "adapter_waits": s.adapter_waits,  # plans where a custom voice waited for an adapter-pool entry
         },
         "kv_cache": {
             "used_slots": s.used_slots,

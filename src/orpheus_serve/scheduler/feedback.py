@@ -41,6 +41,7 @@ class SchedulerStats:
     timed_out: int
     rejected: int  # SchedulerFullError at submit
     stray_tokens: int  # ids that arrived for a slot with no live session (dropped)
+    adapter_waits: int  # plans in which a queued custom-voice session waited for an adapter-pool entry
 
     def as_dict(self) -> dict[str, int | float | str]:
         return asdict(self)
@@ -64,6 +65,7 @@ class SchedulerFeedback:
     _total_batches: int
     _decoded_sessions: int
     _stray_tokens: int
+    _adapter_waits: int
     _counts: dict[str, int]
 
     @property
@@ -152,4 +154,5 @@ class SchedulerFeedback:
                 timed_out=self._counts["timed_out"],
                 rejected=self._counts["rejected"],
                 stray_tokens=self._stray_tokens,
+                adapter_waits=self._adapter_waits,
             )

@@ -91,11 +91,16 @@ class Scheduler(SchedulerFeedback):
         delivery_feedback: bool = False,
         max_frames_per_pass: int = 64,
         max_pass_s: float | None = None,
+        max_adapters: int | None = None,
     ) -> None:
         """`lookahead_samples`: audio the decoder holds back until later frames arrive (defaults to
         `lookahead_frames` whole frames). `delivery_feedback`: the caller reports decoded frames and
-        delivered audio (`note_decoded`, `note_delivered`); otherwise a push counts as both at once."""
+        delivered audio (`note_decoded`, `note_delivered`); otherwise a push counts as both at once.
+        `max_adapters`: distinct LoRA adapters (custom voices) the engine runs at once (its adapter pool,
+        `voices.max_loras`); a session on another adapter waits in the queue until one is free. None: no
+        limit."""
         self._config = config
+        self._max_adapters = max_adapters
         self._clock = clock
         self._max_seq_len = max_seq_len
         self._batch_limit = min(config.max_batch_size, num_slots)
@@ -117,6 +122,9 @@ class Scheduler(SchedulerFeedback):
         self._admitted: dict[str, Session] = {}
         self._by_slot: dict[int, Session] = {}
         self._pending_release: list[int] = []
+        # Adapters of sessions whose slots the next plan releases: the engine unpins them once that step has
+        # run, so a session on a new adapter cannot take their pool entries in the same step.
+        self._pending_release_adapters: list[str] = []
         self._events: list[SchedulerEvent] = []
 
         self._order = 0
@@ -128,6 +136,7 @@ class Scheduler(SchedulerFeedback):
         self._total_batches = 0
         self._decoded_sessions = 0
         self._stray_tokens = 0
+        self._adapter_waits = 0  # plans in which a queued session waited for an adapter-pool entry
         self._counts = {"finished": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "rejected": 0}
 
     # ------------------------------------------------------------ request side
@@ -227,6 +236,7 @@ class Scheduler(SchedulerFeedback):
             for slot in self._pending_release:
                 self._slots.free(slot)
             plan.release, self._pending_release = self._pending_release, []
+            releasing_adapters, self._pending_release_adapters = self._pending_release_adapters, []
 
             # One pass over the live sessions: this runs every step for every stream.
             decoding = []
@@ -243,7 +253,7 @@ class Scheduler(SchedulerFeedback):
             chosen = self._policy.select(decoding, self._batch_limit, now)
             plan.decode = sorted([s.slot for s in chosen])  # a decoding session holds a slot
 
-            self._plan_prefill(plan, now)
+            self._plan_prefill(plan, now, releasing_adapters)
             context = sum([len(s.request.prompt_ids) + s.generated for s in chosen])
             prefill = sum(c.end - c.start for c in plan.prefill)
             self._plan_load = (plan, len(plan.decode), context, prefill, len(self._admitted))
@@ -302,7 +312,7 @@ class Scheduler(SchedulerFeedback):
 
     # ------------------------------------------------------------ internals
 
-    def _plan_prefill(self, plan: StepPlan, now: float) -> None:
+    def _plan_prefill(self, plan: StepPlan, now: float, releasing_adapters: list[str]) -> None:
         budget = self._config.prefill_chunk_tokens
         # Prompts already started go on first (admission order), then new admissions (the policy's order).
         for session in self._admitted.values():
@@ -314,6 +324,7 @@ class Scheduler(SchedulerFeedback):
             return
         capacity = self._flow.admission_limit(self._admitted.values(), self._step)
         demand = self._flow.demand(self._admitted.values()) if capacity is not None else 0
+        adapters = self._adapters_in_use(releasing_adapters)
         for session in self._policy.admission_order(list(self._waiting.values())):
             if budget <= 0 or not self._slots.free_count:
                 return
@@ -321,6 +332,12 @@ class Scheduler(SchedulerFeedback):
             if capacity is not None and not continuation and demand >= capacity:
                 self._flow.admission_waited()
                 continue  # over capacity: new streams wait; continuations of playing streams go on
+            adapter = session.request.adapter
+            if adapter is not None and adapters is not None and adapter not in adapters:
+                if len(adapters) >= self._max_adapters:  # type: ignore[operator]
+                    self._adapter_waits += 1
+                    continue  # every adapter-pool entry runs a voice: this one waits for a session to end
+                adapters.add(adapter)
             demand += 1
             del self._waiting[session.request_id]
             slot = self._slots.allocate()
@@ -333,6 +350,12 @@ class Scheduler(SchedulerFeedback):
             self._by_slot[slot] = session
             self._total_sessions += 1
             budget -= self._add_chunk(plan, session, budget)
+
+    def _adapters_in_use(self, releasing: list[str]) -> set[str] | None:
+        """The adapters pinned in the engine while the next plan runs (None: no adapter limit)."""
+        if self._max_adapters is None:
+            return None
+        return {s.request.adapter for s in self._admitted.values() if s.request.adapter is not None} | {*releasing}
 
     @staticmethod
     def _add_chunk(plan: StepPlan, session: Session, budget: int) -> int:
@@ -418,6 +441,8 @@ class Scheduler(SchedulerFeedback):
         if session.slot is not None:
             del self._by_slot[session.slot]
             self._pending_release.append(session.slot)
+            if req.adapter is not None:
+                self._pending_release_adapters.append(req.adapter)
             del self._admitted[req.request_id]
             assert session.admitted_s is not None
             duration = now - session.admitted_s
