@@ -126,6 +126,9 @@ class EngineConfig(_Strict):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_seq_len: int = Field(4096, ge=64)
     cuda_graphs: bool = True
+    # Launch step N+1 before reading step N back, so planning and bookkeeping overlap the running step (engines
+    # with launch/collect: torch, sim; ARCHITECTURE §4). false: one step at a time.
+    overlap: bool = True
     # Attention kernels PyTorch may choose from on CUDA (torch backend; engines/sdpa.py: cuDNN's rebuilds per shape).
     sdpa_backends: list[Literal["efficient", "math", "flash", "cudnn"]] = Field(["efficient", "math"], min_length=1)
     memory_fraction: float = Field(0.9, gt=0, le=1)

@@ -185,7 +185,8 @@ class CoreRuntime:
             held_audio_s=self.scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
         )
         self._tap = on_event  # optional tap (token logs for tooling), on the engine core thread
-        self._core = EngineCore(self.scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames)
+        self._core = EngineCore(self.scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames,
+                                overlap=config.engine.overlap)
 
     @property
     def engine_alive(self) -> bool:

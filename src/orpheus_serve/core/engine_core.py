@@ -53,10 +53,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..codec.base import CodecPush
-from ..engines.base import TokenEngine
+from ..engines.base import PipelinedEngine, TokenEngine
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
 from ..scheduler.step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
@@ -86,9 +87,13 @@ class EngineCore:
         *,
         on_frames: Callable[[FramesReady], None] | None = None,
         idle_tick_s: float = 0.05,
+        overlap: bool = True,
     ) -> None:
         self._scheduler = scheduler
         self._engine = engine
+        # One step in flight while the next is planned (module docstring), where the engine can.
+        self._pipelined = engine if overlap and isinstance(engine, PipelinedEngine) else None
+        self._last_read_at = 0.0  # perf_counter when the last step's output was read back and dispatched
         self._codec = codec
         self._on_event = on_event
         self._on_frames = on_frames  # optional tap (token logs for tooling)
@@ -154,7 +159,14 @@ class EngineCore:
             self._thread.join(timeout_s)
             self._thread = None
 
+    @property
+    def overlapped(self) -> bool:
+        return self._pipelined is not None
+
     def _run(self) -> None:
+        if self._pipelined is not None:
+            self._run_overlapped(self._pipelined)
+            return
         while True:
             with self._cond:
                 while not self._stopping and not self._scheduler.has_work:
@@ -183,6 +195,78 @@ class EngineCore:
             period = time.perf_counter() - period_start
             self.loop_s += period
             self._scheduler.record_step_time(plan, period)
+
+    def _run_overlapped(self, engine: PipelinedEngine) -> None:
+        """The loop with one step in flight: plan and launch N+1, then read N back (module docstring)."""
+        inflight: _Launched | None = None
+        while True:
+            with self._cond:
+                while not self._stopping and inflight is None and not self._scheduler.has_work:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                seen = self._wakeups
+            planned_at = time.perf_counter()
+            plan = self._scheduler.schedule()
+            if plan.empty:
+                if inflight is not None:
+                    self._read_back(engine, inflight)
+                    inflight = None
+                    continue
+                events = self._scheduler.drain_events()
+                if events:
+                    self._dispatch(events)
+                else:
+                    with self._cond:
+                        if self._wakeups == seen and not self._stopping:
+                            self._cond.wait(self._idle_tick_s)
+                continue
+            launched = self._launch(engine, plan, planned_at)
+            if inflight is not None:
+                self._read_back(engine, inflight)
+            inflight = launched
+            if launched.handle is None:  # refused at launch: run it on its own, isolating the culprits
+                self._read_back(engine, launched)
+                inflight = None
+
+    def _launch(self, engine: PipelinedEngine, plan: StepPlan, planned_at: float) -> _Launched:
+        if self.engine_failure is not None:
+            return _Launched(plan, None, planned_at, 0.0)
+        t0 = time.perf_counter()
+        try:
+            handle = engine.launch(plan)
+        except Exception:  # nothing was launched and nothing changed: the step runs again, serially, after N
+            log.debug("launching a step raised; it runs again on its own", exc_info=True)
+            return _Launched(plan, None, planned_at, time.perf_counter() - t0)
+        return _Launched(plan, handle, planned_at, time.perf_counter() - t0)
+
+    def _read_back(self, engine: PipelinedEngine, launched: _Launched) -> None:
+        """Collect a launched step (or run a refused one serially), update the scheduler and dispatch."""
+        plan = launched.plan
+        t0 = time.perf_counter()
+        if launched.handle is None:
+            output = self._step(plan)
+        else:
+            try:
+                output = engine.collect(launched.handle)
+            except Exception as exc:  # the device failed under a launched step: nothing after it can be trusted
+                self.step_errors += 1
+                self._declare_dead(f"reading a step back failed: {exc}")
+                output = StepOutput(failed={slot: f"engine failed: {exc}" for slot in _slots_of(plan)})
+            else:
+                if plan.prefill or plan.decode:
+                    self._lone_failures = 0
+        self.busy_s += launched.launch_s + time.perf_counter() - t0
+        self.engine_elapsed_s += output.elapsed_s
+        self.steps += 1
+        self._dispatch(self._scheduler.update(plan, output))
+        done = time.perf_counter()
+        # What a stream waits between two tokens: from the previous read-back (or, after an idle gap, from when
+        # this plan was made) to this one.
+        period = done - max(self._last_read_at, launched.planned_at)
+        self._last_read_at = done
+        self.loop_s += period
+        self._scheduler.record_step_time(plan, period)
 
     def _step(self, plan: StepPlan) -> StepOutput:
         if self.engine_failure is not None:
@@ -264,6 +348,14 @@ class EngineCore:
             self._on_event(event)
         if pushes:
             self._codec.submit_many(pushes)  # one wake-up of the codec thread per step
+
+
+@dataclass(frozen=True, slots=True)
+class _Launched:
+    plan: StepPlan
+    handle: Any  # the engine's, for collect; None: not launched (refused at launch, or the engine is dead)
+    planned_at: float  # perf_counter when the plan was made
+    launch_s: float  # time in engine.launch
 
 
 def _slots_of(plan: StepPlan) -> set[int]:

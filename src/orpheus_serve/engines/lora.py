@@ -46,6 +46,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from orpheus_serve.engines.transfer import ints_to_device
 from orpheus_serve.scheduler.step import EngineError
 
 
@@ -313,13 +314,13 @@ class LoraBatch:
         if not any(entries):
             return None
         if not gather:
-            return cls(pool, entries=torch.tensor(list(entries), dtype=torch.int64, device=pool.device))
+            return cls(pool, entries=ints_to_device(list(entries), torch.device(pool.device)))
         groups: dict[int, list[int]] = {}
         for row, entry in enumerate(entries):
             if entry:
                 groups.setdefault(entry, []).append(row)
         segments = tuple((entry, None if len(rows) == len(entries) else
-                          torch.tensor(rows, dtype=torch.int64, device=pool.device))
+                          ints_to_device(rows, torch.device(pool.device)))
                          for entry, rows in groups.items())
         return cls(pool, segments=segments)
 

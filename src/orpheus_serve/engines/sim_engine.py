@@ -18,9 +18,13 @@ pseudo-random count between half and all of the frames max_tokens allows.
 
 Time: step_ms = step_base_ms + step_per_seq_ms · decoded sessions
 + step_per_ctx_token_ms · their total context + prefill_per_token_ms ·
-prefill tokens. With `cost.realtime` the step sleeps that long (GPU work on
-the engine thread); otherwise it only reports it in `StepOutput.elapsed_s`
-and advances a virtual clock through `clock_advance`.
+prefill tokens. With `cost.realtime` that time passes on a modelled device
+that runs one step at a time: `launch` (engines/base.PipelinedEngine) queues
+the step behind the one still running and returns, and `collect` sleeps until
+the step's modelled end, so host work done between the two overlaps the
+modelled GPU time as it would on a GPU; `step` is both at once. Otherwise the
+time is only reported in `StepOutput.elapsed_s`, and a virtual clock advances
+through `clock_advance`.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def _seed_for(sampling: SamplingParams, request_id: str) -> int:
     if sampling.seed is not None:
         return sampling.seed
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class SimStepHandle:
+    output: StepOutput
+    done_at: float | None  # perf_counter time the modelled device finishes the step (realtime), else None
 
 
 @dataclass(slots=True)
@@ -115,6 +125,7 @@ class SimEngine:
         self._closed = False
         self.steps = 0
         self.busy_s = 0.0  # modelled engine time so far
+        self._device_free_at = 0.0  # perf_counter time the modelled device finishes what it was given
 
     @classmethod
     def from_config(cls, config: Config, *, clock_advance: Callable[[float], None] | None = None) -> SimEngine:
@@ -126,9 +137,31 @@ class SimEngine:
         )
 
     def step(self, plan: StepPlan) -> StepOutput:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> SimStepHandle:
+        """Run the plan's bookkeeping now; its modelled time starts when the device is free (the time spent
+        making the tokens here counts as part of it, as the GPU makes them on a GPU)."""
+        called = time.perf_counter()
+        out = self._run(plan)
+        if self.cost.realtime:
+            start = max(called, self._device_free_at)
+            self._device_free_at = start + out.elapsed_s
+            return SimStepHandle(out, self._device_free_at)
+        if self._clock_advance is not None:
+            self._clock_advance(out.elapsed_s)
+        return SimStepHandle(out, None)
+
+    def collect(self, handle: SimStepHandle) -> StepOutput:
+        if handle.done_at is not None:
+            remaining = handle.done_at - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+        return handle.output
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         if self._closed:
             raise EngineError("sim engine is closed")
-        started = time.perf_counter()
         out = StepOutput()
         for slot in (*plan.release, *(c.slot for c in plan.prefill), *plan.decode):
             self._check_slot(slot)
@@ -171,13 +204,6 @@ class SimEngine:
         out.elapsed_s = elapsed_ms / 1000.0
         self.steps += 1
         self.busy_s += out.elapsed_s
-        if self.cost.realtime:
-            # The modelled GPU time includes producing the tokens: sleep only for what is left of it.
-            remaining = out.elapsed_s - (time.perf_counter() - started)
-            if remaining > 0:
-                time.sleep(remaining)
-        elif self._clock_advance is not None:
-            self._clock_advance(out.elapsed_s)
         return out
 
     def _new_session(self, chunk: PrefillChunk) -> _SlotState | str:

@@ -77,6 +77,7 @@ from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
 from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, MemoryPlan, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
 from orpheus_serve.engines.sdpa import DEFAULT_SDPA_BACKENDS, pinned_sdpa, sdpa_backends, serving_backend
+from orpheus_serve.engines.transfer import StepReadback, ints_to_device
 from orpheus_serve.scheduler.step import (
     EngineError,
     PrefillChunk,
@@ -327,20 +328,28 @@ class TorchEngine:
     # ------------------------------------------------------------------ TokenEngine
 
     def step(self, plan: StepPlan) -> StepOutput:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> StepReadback:
+        """Queue the plan's work and the copy of its tokens to the host; returns without waiting for the device
+        (engines/base.PipelinedEngine). Every host record advances now: what a step adds (cached and generated
+        ids) is known before its tokens are."""
         if self._closed:
             raise EngineError("engine is closed")
         started = time.perf_counter()
-        out = StepOutput()
         # What to restore if the step raises (see the module docstring): copies of the plan's sessions.
         touched = {*plan.release, *(c.slot for c in plan.prefill), *plan.decode}
         saved = {slot: replace(s) if (s := self._sessions[slot]) is not None else None
                  for slot in touched if 0 <= slot < self.num_slots}
-        sampled: list[tuple[Tensor, Tensor]] = []  # (slots, new tokens), written back once all succeeded
+        # (slots, new tokens, the slots on the host), written back once all succeeded
+        sampled: list[tuple[Tensor, Tensor, list[int]]] = []
         # LoRA pins taken by sessions starting in this step (given back if it raises) and those of
         # sessions it ended (given back once it has succeeded).
         self._pinned, self._unpinned = [], []
         try:
             with torch.inference_mode(), self._on_stream():
+                readback = StepReadback.begin(self.device)
+                out = readback.output
                 if self.lora is not None:
                     self.lora.apply_staged()  # admin loads enter the pool here, before any forward pass
                 for slot in plan.release:
@@ -351,17 +360,21 @@ class TorchEngine:
                 rows = self._decodable(plan.decode, out)
                 for first in range(0, len(rows), self.max_batch_size):
                     self._decode(rows[first : first + self.max_batch_size], out, sampled)
-                for slots, tokens in sampled:
+                for slots, tokens, _ in sampled:
                     self._last_token[slots] = tokens
                     self._sampling.mark_seen(slots, tokens)
+                readback.finish_launch(sampled, time.perf_counter() - started)
         except BaseException:
             for slot, session in saved.items():
                 self._sessions[slot] = session
             self._release_adapters(self._pinned)
             raise
         self._release_adapters(self._unpinned)
-        out.elapsed_s = time.perf_counter() - started
-        return out
+        return readback
+
+    def collect(self, handle: StepReadback) -> StepOutput:
+        """The launched step's output, once its tokens are on the host."""
+        return handle.collect()
 
     def memory_report(self) -> MemoryReport:
         if self._closed:
@@ -425,7 +438,8 @@ class TorchEngine:
             return None
         return LoraBatch.for_rows(self.lora.pool, entries, gather=gather)
 
-    def _prefill(self, chunk: PrefillChunk, out: StepOutput, sampled: list[tuple[Tensor, Tensor]]) -> None:
+    def _prefill(self, chunk: PrefillChunk, out: StepOutput,
+                 sampled: list[tuple[Tensor, Tensor, list[int]]]) -> None:
         slot = chunk.slot
         if not self._valid_slot(slot, out):
             return
@@ -469,8 +483,8 @@ class TorchEngine:
                 return
             session = current
 
-        tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        slot_index = torch.tensor([slot], device=self.device)
+        tokens = ints_to_device(ids, self.device)
+        slot_index = ints_to_device([slot], self.device)
         self._sampling.mark_seen(slot_index, tokens)
         lora = self._lora_batch([session.lora_entry], gather=True)
         # Without adapters the call is the plain one, as before (wrappers of prefill/decode see no new argument).
@@ -481,9 +495,8 @@ class TorchEngine:
             return
         step = torch.zeros(1, dtype=torch.int64, device=self.device)
         first = self._sample(hidden[-1:], slot_index, step, [0], [chunk.sampling])
-        sampled.append((slot_index, first))
+        sampled.append((slot_index, first, [slot]))
         session.generated, session.ready = 1, True
-        out.tokens.setdefault(slot, []).append(int(first[0]))
 
     def _sample(self, hidden: Tensor, slots: Tensor, steps: Tensor, host_steps: list[int],
                 params: list[SamplingParams]) -> Tensor:
@@ -514,14 +527,14 @@ class TorchEngine:
             listed.add(slot)
         return [s for s in rows if self._sessions[s] is not None]
 
-    def _decode(self, rows: list[int], out: StepOutput, sampled: list[tuple[Tensor, Tensor]]) -> None:
+    def _decode(self, rows: list[int], out: StepOutput, sampled: list[tuple[Tensor, Tensor, list[int]]]) -> None:
         if not rows:
             return
         sessions = [self._sessions[s] for s in rows]
         assert all(s is not None for s in sessions)
         host = torch.tensor([rows, [s.cached for s in sessions], [s.generated for s in sessions]],  # type: ignore[union-attr]
                             dtype=torch.int64)
-        slots, positions, steps = host.to(self.device).unbind(0)  # [B] each
+        slots, positions, steps = ints_to_device(host, self.device).unbind(0)  # [B] each
         kv_len = int(host[1].max()) + 1
         tokens = self._last_token[slots]
         lora = self._lora_batch([s.lora_entry for s in sessions], gather=self._graphs is None)  # type: ignore[union-attr]
@@ -540,12 +553,11 @@ class TorchEngine:
             new = torch.empty_like(slots)
             for flag in (True, False):
                 kind = [i for i, c in enumerate(constrained) if c == flag]
-                idx = torch.tensor(kind, device=self.device)
+                idx = ints_to_device(kind, self.device)
                 new[idx] = self._sample(hidden[idx], slots[idx], steps[idx], [host_steps[i] for i in kind],
                                         [params[i] for i in kind])
-        sampled.append((slots, new))
-        for slot, session, token in zip(rows, sessions, new.tolist(), strict=True):
+        sampled.append((slots, new, rows))
+        for session in sessions:
             assert session is not None
             session.cached += 1
             session.generated += 1
-            out.tokens.setdefault(slot, []).append(token)

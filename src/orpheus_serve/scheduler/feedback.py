@@ -10,6 +10,7 @@ and write, under its one lock; this base class keeps the scheduling itself apart
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -54,7 +55,7 @@ class SchedulerFeedback:
     _flow: FlowControl
     _policy: SchedulingPolicy
     _slots: SlotAllocator
-    _plan_load: tuple[StepPlan, int, int, int, int] | None
+    _plan_loads: deque[tuple[StepPlan, int, int, int, int]]
     _waiting: dict[str, Session]
     _admitted: dict[str, Session]
     _pending_release: list[int]
@@ -73,12 +74,15 @@ class SchedulerFeedback:
         return self._slots.num_slots
 
     def record_step_time(self, plan: StepPlan, seconds: float) -> None:
-        """The engine core's loop period around `plan` (schedule -> step -> update -> dispatch)."""
+        """The engine core's loop period around `plan` (schedule -> step -> update -> dispatch; with a step in
+        flight, from the previous plan's output read back to this one's)."""
         with self._lock:
-            load = self._plan_load
-            if load is None or load[0] is not plan:
+            loads = self._plan_loads
+            while loads and loads[0][0] is not plan:
+                loads.popleft()  # older plans whose period was not recorded (an empty or failed step)
+            if not loads:
                 return
-            _, batch, context, prefill, streams = load
+            _, batch, context, prefill, streams = loads.popleft()
             self._flow.observe_step(batch, context, prefill, seconds, streams=streams, now=self._clock())
 
     def record_codec_pass(self, frames: int, seconds: float) -> None:

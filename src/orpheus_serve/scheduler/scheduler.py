@@ -53,7 +53,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -111,7 +112,9 @@ class Scheduler(SchedulerFeedback):
             lookahead_samples=lookahead_frames * SAMPLES_PER_FRAME if lookahead_samples is None else lookahead_samples,
             feedback=delivery_feedback, max_frames_per_pass=max_frames_per_pass, max_pass_s=max_pass_s,
         )
-        self._plan_load: tuple[StepPlan, int, int, int, int] | None = None  # plan, batch, context, prefill, streams
+        # (plan, batch, context, prefill, streams) of the plans whose loop period is not recorded yet: one, or
+        # two while a step is in flight.
+        self._plan_loads: deque[tuple[StepPlan, int, int, int, int]] = deque(maxlen=4)
         self._policy: SchedulingPolicy = make_policy(
             config, first_push_tokens=self._flush_policy.first_frames * TOKENS_PER_FRAME
         )
@@ -179,7 +182,7 @@ class Scheduler(SchedulerFeedback):
                 capacity = self._flow.reject_limit(self._admitted.values(), self._step)
                 if capacity is not None and self._flow.demand(self._admitted.values()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
-                    retry = self._retry_after_s(len(self._waiting))
+                    retry = retry_after_s(self._mean_session_s, len(self._waiting), self.num_slots)
                     raise SchedulerFullError(
                         f"server at capacity: {capacity} real-time streams are running (scheduler.admission="
                         f"reject); retry in {retry:.1f} s",
@@ -194,7 +197,7 @@ class Scheduler(SchedulerFeedback):
             queued = len(self._waiting) - admissible
             if queued >= self._config.max_queue and not continuation:
                 self._counts["rejected"] += 1
-                retry = self._retry_after_s(queued)
+                retry = retry_after_s(self._mean_session_s, queued, self.num_slots)
                 raise SchedulerFullError(
                     f"server busy: {self._busy_reason(limit)} and {max(queued, 0)} requests are already waiting "
                     f"(max_queue={self._config.max_queue}); retry in {retry:.1f} s",
@@ -243,8 +246,11 @@ class Scheduler(SchedulerFeedback):
             held_back = self._flow.held_back
             decoding_state = SessionState.DECODING
             for session in self._admitted.values():
-                if session.state is decoding_state and not held_back(session, now):
-                    decoding.append(session)
+                if session.state is decoding_state:
+                    if session.generated + session.inflight < session.token_limit and not held_back(session, now):
+                        decoding.append(session)
+                elif session.inflight and session.decodable() and not held_back(session, now):
+                    decoding.append(session)  # its last prompt chunk is in the step in flight
                 # Priority changes (first audio out) go to engines that order their own batches.
                 priority = session.engine_priority
                 if session.reported_priority != priority and session.slot is not None:
@@ -252,23 +258,30 @@ class Scheduler(SchedulerFeedback):
                     session.reported_priority = priority
             chosen = self._policy.select(decoding, self._batch_limit, now)
             plan.decode = sorted([s.slot for s in chosen])  # a decoding session holds a slot
+            for session in chosen:
+                session.inflight += 1
+                plan.owners[session.slot] = session.request_id  # type: ignore[index]
 
             self._plan_prefill(plan, now, releasing_adapters)
             context = sum([len(s.request.prompt_ids) + s.generated for s in chosen])
             prefill = sum(c.end - c.start for c in plan.prefill)
-            self._plan_load = (plan, len(plan.decode), context, prefill, len(self._admitted))
+            self._plan_loads.append((plan, len(plan.decode), context, prefill, len(self._admitted)))
             return plan
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SchedulerEvent]:
+        """Read back `plan`'s output. Its slots are matched to the sessions the plan ran for them: one that
+        has ended since (in an earlier update, or cancelled) gets nothing, and its token is dropped (counted
+        in `stray_tokens`), even where a new session holds the slot by now."""
         with self._lock:
             self._step += 1
             now = self._clock()
             events, self._events = self._events, []
+            owners = plan_owners(plan, self._by_slot)
 
             prefill_token_slots: set[int] = set()
             for chunk in plan.prefill:
-                session = self._by_slot.get(chunk.slot)
-                if session is None or session.request_id != chunk.request_id or chunk.slot in output.failed:
+                session = owners.get(chunk.slot)
+                if session is None or chunk.slot in output.failed:
                     continue  # ended since the plan was made, or failing below
                 self._prefill_tokens += chunk.end - chunk.start
                 if session.state is SessionState.PREFILLING:
@@ -279,14 +292,14 @@ class Scheduler(SchedulerFeedback):
                         prefill_token_slots.add(chunk.slot)
 
             for slot, error in output.failed.items():
-                session = self._by_slot.get(slot)
+                session = owners[slot] if slot in owners else self._by_slot.get(slot)
                 if session is not None:
                     self._fail(session, f"engine error: {error}", now, events)
 
             decoded = 0
             for slot, ids in output.tokens.items():
-                session = self._by_slot.get(slot)
-                if session is None:
+                session = owners[slot] if slot in owners else self._by_slot.get(slot)
+                if session is None or not session.state.live:
                     self._stray_tokens += len(ids)
                     continue
                 if not ids:
@@ -296,8 +309,8 @@ class Scheduler(SchedulerFeedback):
                 self._consume(session, ids, now, events)
 
             for slot, reason in output.finished.items():
-                session = self._by_slot.get(slot)
-                if session is not None:  # the engine stopped it without an end the parser saw
+                session = owners[slot] if slot in owners else self._by_slot.get(slot)
+                if session is not None and session.state.live:  # the engine stopped it without an end the parser saw
                     self._complete(session, "stop" if reason == "stop" else "length", now, events)
 
             if decoded:
@@ -324,7 +337,7 @@ class Scheduler(SchedulerFeedback):
             return
         capacity = self._flow.admission_limit(self._admitted.values(), self._step)
         demand = self._flow.demand(self._admitted.values()) if capacity is not None else 0
-        adapters = self._adapters_in_use(releasing_adapters)
+        adapters = None if self._max_adapters is None else _adapters_in_use(self._admitted.values(), releasing_adapters)
         for session in self._policy.admission_order(list(self._waiting.values())):
             if budget <= 0 or not self._slots.free_count:
                 return
@@ -350,12 +363,6 @@ class Scheduler(SchedulerFeedback):
             self._by_slot[slot] = session
             self._total_sessions += 1
             budget -= self._add_chunk(plan, session, budget)
-
-    def _adapters_in_use(self, releasing: list[str]) -> set[str] | None:
-        """The adapters pinned in the engine while the next plan runs (None: no adapter limit)."""
-        if self._max_adapters is None:
-            return None
-        return {s.request.adapter for s in self._admitted.values() if s.request.adapter is not None} | {*releasing}
 
     @staticmethod
     def _add_chunk(plan: StepPlan, session: Session, budget: int) -> int:
@@ -454,34 +461,52 @@ class Scheduler(SchedulerFeedback):
         else:
             del self._waiting[req.request_id]
         session.state = state
-        self._counts[
-            {
-                SessionState.FINISHED: "finished",
-                SessionState.CANCELLED: "cancelled",
-                SessionState.FAILED: "failed",
-                SessionState.TIMED_OUT: "timed_out",
-            }[state]
-        ] += 1
+        self._counts[_COUNTED_AS[state]] += 1
         queue_end = session.admitted_s if session.admitted_s is not None else now
-        events.append(
-            SessionFinished(
-                request_id=req.request_id,
-                reason=reason,
-                tokens=session.generated,
-                frames=session.buffer.flushed_frames,
-                queue_s=max(0.0, queue_end - req.arrival_s),
-                first_token_s=None if session.first_token_at is None else session.first_token_at - req.arrival_s,
-            )
-        )
+        first_token_s = None if session.first_token_at is None else session.first_token_at - req.arrival_s
+        events.append(SessionFinished(request_id=req.request_id, reason=reason, tokens=session.generated,
+                                      frames=session.buffer.flushed_frames,
+                                      queue_s=max(0.0, queue_end - req.arrival_s), first_token_s=first_token_s))
 
     def _busy_reason(self, limit: int | None) -> str:
         if limit is not None and self._slots.free_count + len(self._pending_release):
             return f"the {limit} real-time streams the server sustains are running"
         return f"all {self.num_slots} synthesis slots are in use"
 
-    def _retry_after_s(self, queued: int) -> float:
-        """Rough time until this client would get a slot: the queue ahead of it
-        drains at about one slot per (mean session time / slots)."""
-        mean_s = self._mean_session_s if self._mean_session_s is not None else 1.0
-        estimate = mean_s * (max(queued, 0) + 1) / self.num_slots
-        return float(min(_RETRY_MAX_S, max(_RETRY_MIN_S, math.ceil(estimate * 10) / 10)))
+
+def _adapters_in_use(admitted: Iterable[Session], releasing: list[str]) -> set[str]:
+    """The adapters pinned in the engine while the next plan runs."""
+    return {s.request.adapter for s in admitted if s.request.adapter is not None} | {*releasing}
+
+
+_COUNTED_AS = {SessionState.FINISHED: "finished", SessionState.CANCELLED: "cancelled", SessionState.FAILED: "failed",
+               SessionState.TIMED_OUT: "timed_out"}
+
+
+def plan_owners(plan: StepPlan, by_slot: dict[int, Session]) -> dict[int, Session | None]:
+    """slot -> the live session `plan` ran for it (None: it has ended since); each gives back the token it
+    had in flight. (A slot the plan does not name is read as its current holder's: an engine that
+    schedules itself reports any slot.)"""
+    owners: dict[int, Session | None] = {}
+    for chunk in plan.prefill:
+        session = by_slot.get(chunk.slot)
+        owners[chunk.slot] = session if session is not None and session.request_id == chunk.request_id else None
+        if owners[chunk.slot] is not None and chunk.is_last:
+            session.inflight -= 1  # type: ignore[union-attr]
+    for slot in plan.decode:
+        session = by_slot.get(slot)
+        planned_for = plan.owners.get(slot)
+        if session is not None and planned_for is not None and session.request_id != planned_for:
+            session = None
+        owners[slot] = session
+        if session is not None and planned_for is not None:
+            session.inflight -= 1
+    return owners
+
+
+def retry_after_s(mean_session_s: float | None, queued: int, num_slots: int) -> float:
+    """Rough time until a new client would get a slot: the queue ahead of it drains at about one slot per
+    (mean session time / slots)."""
+    mean_s = mean_session_s if mean_session_s is not None else 1.0
+    estimate = mean_s * (max(queued, 0) + 1) / num_slots
+    return float(min(_RETRY_MAX_S, max(_RETRY_MIN_S, math.ceil(estimate * 10) / 10)))

@@ -72,6 +72,7 @@ class Session:
     slot: int | None = None
     prefilled: int = 0  # prompt ids already sent to the engine
     generated: int = 0
+    inflight: int = 0  # tokens of launched steps not read back yet (0 or 1: one step is in flight at most)
     parser: FrameParser = field(default_factory=FrameParser)
     admitted_s: float | None = None
     first_token_at: float | None = None
@@ -137,15 +138,30 @@ class Session:
         """Audio the client holds unplayed; None before its first audio."""
         return None if self.playback_end_s is None else max(0.0, self.playback_end_s - now)
 
+    @property
+    def planned(self) -> int:
+        """Tokens it will have once every launched step is read back."""
+        return self.generated + self.inflight
+
+    def decodable(self) -> bool:
+        """It may be in the plan being made: its prompt is complete (its last chunk may be in the step in
+        flight: the engine runs plans in order) and its tokens so far, in flight included, are under its
+        limit."""
+        if self.state is SessionState.PREFILLING and (self.prefilled < self.prompt_len or not self.inflight):
+            return False
+        return self.planned < self.token_limit
+
     def prefill_chunk(self, budget: int) -> PrefillChunk:
         """The next piece of the prompt, at most `budget` ids, marked as sent now (so a later plan continues
-        after it even if the scheduler's update lags a step behind)."""
+        after it even if the scheduler's update lags a step behind); the last one makes a token."""
         assert self.slot is not None
         start = self.prefilled
         end = min(self.prompt_len, start + budget)
         priority = self.engine_priority
         self.reported_priority = priority
         self.prefilled = end
+        if end == self.prompt_len:
+            self.inflight += 1
         return PrefillChunk(slot=self.slot, request_id=self.request_id, prompt_ids=self.request.prompt_ids,
                             start=start, end=end, sampling=self.request.sampling, priority=priority,
                             adapter=self.request.adapter)

@@ -106,6 +106,9 @@ class StepPlan:
     decode: list[int] = field(default_factory=list)  # slots that generate one token this step
     # slot -> new priority, for engines that schedule themselves (e.g. TTFB boost ends)
     priority: dict[int, float] = field(default_factory=dict)
+    # decode slot -> the request it was planned for. With a step in flight (ARCHITECTURE §4) a slot can change
+    # hands before this plan's output is read: its tokens belong to this request, whoever holds the slot then.
+    owners: dict[int, str] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
