@@ -52,7 +52,11 @@ class SchedulerConfig(_Strict):
     # Over the measured capacity: wait in the queue, or 503 at once. `slots`: admit whenever a slot is free
     # (no real-time promise: bulk or offline synthesis that wants the biggest batches).
     admission: Literal["queue", "reject", "slots"] = "queue"
-    admission_headroom: float = Field(0.15, ge=0, le=4)  # admit while streams run this much faster than real time
+    # Admit while every stream runs faster than real time by a margin measured from the spread of loop periods and
+    # codec passes (twice their jitter, relative), at least admission_margin_floor (ARCHITECTURE §5a).
+    # admission_headroom: a fixed margin instead.
+    admission_margin_floor: float = Field(0.05, ge=0, le=4)
+    admission_headroom: float | None = Field(None, ge=0, le=4)
     first_chunk_safety: float = Field(1.5, ge=1, le=10)  # first audio covers this many times the next frame's wait
     # A gateway (API process) whose event loop runs this late cannot hand audio out in time: admission closes
     # until it catches up (0: never). Its loop lag is measured every 50 ms and smoothed over a few ticks.

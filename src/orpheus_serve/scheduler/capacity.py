@@ -23,13 +23,28 @@ two of its tokens. One real-time stream needs a frame (7 tokens) every
 `FRAME_SECONDS` (85.3 ms): 82 tokens/s.
 
 `max_streams(mean_context)` is the largest number of streams that all stay
-real-time with `headroom` to spare:
+real-time with a margin to spare:
 
     engine:  with n streams and at most B per step, each stream gets a token
-             every step_s(min(n, B)) * ceil(n / B) seconds;
+             every fit(min(n, B)) * ceil(n / B) seconds, and needs 7 of them,
+             times (1 + engine margin), within FRAME_SECONDS;
     codec:   n streams need n / FRAME_SECONDS frames per second; a pass of at
              most F frames (fewer if pass_s(F) would pass `max_pass_s`)
-             decodes F / pass_s(F) frames per second.
+             decodes F / pass_s(F) frames per second, divided by
+             (1 + codec margin).
+
+The margins come from the measured spread, not a fixed allowance: each is
+`z` times the fit's jitter (for the engine, over a frame's 7 periods) relative
+to the predicted period or pass, and at least `margin_floor`:
+
+    engine margin = max(margin_floor, z * jitter(loop periods over 7) / fit(load))
+    codec margin  = max(margin_floor, z * jitter(passes) / pass_s(F))
+
+With z = 2 a frame comes late only where the spread is more than two of its
+standard deviations (about 2% of frames if it were normal), and the client's
+buffer covers those; a quiet machine gets the floor and admits up to it, a
+noisy one keeps what its noise costs. `headroom` set to a number fixes both
+margins instead (`scheduler.admission_headroom`).
 
 Extrapolation is kept honest: the fit only knows the loads it has seen, and a
 new stream's full cost shows only once its audio flows (its first tokens are
@@ -139,6 +154,8 @@ class CapacityEstimate:
     codec_streams: int | None  # the codec's bound alone
     step_ms: float | None  # predicted loop period at the current load
     codec_pass_ms: float | None  # predicted pass at the current load
+    engine_margin: float | None = None  # the margins admission plans with now (module docstring)
+    codec_margin: float | None = None
 
 
 class CapacityModel:
@@ -148,7 +165,9 @@ class CapacityModel:
         max_batch: int,
         max_frames_per_pass: int,
         max_pass_s: float | None = None,
-        headroom: float = 0.15,
+        headroom: float | None = None,
+        margin_floor: float = 0.05,
+        margin_z: float = 2.0,
         forget: float = 0.995,
         probe_factor: float = 1.5,
         probe_min: int = 4,
@@ -157,7 +176,9 @@ class CapacityModel:
         self.max_batch = max_batch
         self.max_frames_per_pass = max_frames_per_pass
         self.max_pass_s = max_pass_s
-        self.headroom = headroom
+        self.headroom = headroom  # a fixed margin; None: measured (module docstring)
+        self.margin_floor = margin_floor
+        self.margin_z = margin_z
         self.probe_factor = probe_factor
         self.probe_min = probe_min
         self.settle_s = settle_s
@@ -201,13 +222,28 @@ class CapacityModel:
     def _step_features(batch: int, context_tokens: int, prefill_tokens: int) -> np.ndarray:
         return np.array([1.0, float(batch), context_tokens * _CTX_SCALE, prefill_tokens * _PREFILL_SCALE])
 
-    def step_s(self, batch: int, mean_context: float, prefill_tokens: int = 0) -> float | None:
-        """Predicted loop period, plus the jitter the fit does not explain."""
+    def fit_step_s(self, batch: int, mean_context: float, prefill_tokens: int = 0) -> float | None:
+        """Predicted loop period."""
         coef = self._engine.coef
         if coef is None:
             return None
-        return float(coef @ self._step_features(batch, int(batch * mean_context), prefill_tokens)) \
-            + self._engine.jitter
+        return float(coef @ self._step_features(batch, int(batch * mean_context), prefill_tokens))
+
+    def step_s(self, batch: int, mean_context: float, prefill_tokens: int = 0) -> float | None:
+        """Predicted loop period, plus the jitter the fit does not explain (a slow run of periods)."""
+        fit = self.fit_step_s(batch, mean_context, prefill_tokens)
+        return None if fit is None else fit + self._engine.jitter
+
+    def engine_margin(self, fit_step_s: float) -> float:
+        """How much faster than real time the streams must run, for a predicted period of `fit_step_s`."""
+        if self.headroom is not None:
+            return self.headroom
+        return max(self.margin_floor, self.margin_z * self._engine.jitter / max(fit_step_s, 1e-9))
+
+    def codec_margin(self, pass_s: float) -> float:
+        if self.headroom is not None:
+            return self.headroom
+        return max(self.margin_floor, self.margin_z * self._codec.jitter / max(pass_s, 1e-9))
 
     def pass_s(self, frames: int) -> float | None:
         coef = self._codec.coef
@@ -231,10 +267,12 @@ class CapacityModel:
         return 2.0 * self._recent_pass_s
 
     def _engine_ok(self, streams: int, mean_context: float) -> bool | None:
-        interval = self.token_interval_s(streams, mean_context)
-        if interval is None:
+        streams = max(streams, 1)
+        fit = self.fit_step_s(min(streams, self.max_batch), mean_context)
+        if fit is None:
             return None
-        return interval * TOKENS_PER_FRAME * (1.0 + self.headroom) <= FRAME_SECONDS
+        interval = fit * math.ceil(streams / self.max_batch)
+        return interval * TOKENS_PER_FRAME * (1.0 + self.engine_margin(fit)) <= FRAME_SECONDS
 
     def _codec_streams(self) -> int | None:
         coef = self._codec.coef
@@ -247,7 +285,7 @@ class CapacityModel:
         if seconds is None or seconds <= 0:
             return None
         frames_per_s = frames / seconds
-        return int(frames_per_s * FRAME_SECONDS / (1.0 + self.headroom))
+        return int(frames_per_s * FRAME_SECONDS / (1.0 + self.codec_margin(seconds)))
 
     def _engine_streams(self, mean_context: float, limit: int) -> int | None:
         if self._engine_ok(1, mean_context) is None:
@@ -277,6 +315,7 @@ class CapacityModel:
         if max_streams > self._max_streams_seen:
             max_streams = min(max_streams, self.probe_limit())
         step = self.step_s(min(max(streams, 1), self.max_batch), mean_context)
+        fit = self.fit_step_s(min(max(streams, 1), self.max_batch), mean_context)
         frames = min(self.max_frames_per_pass, max(1, round(streams * (self._recent_pass_s or 0) / FRAME_SECONDS)))
         pass_s = self.pass_s(frames)
         return CapacityEstimate(
@@ -286,4 +325,6 @@ class CapacityModel:
             codec_streams=codec,
             step_ms=None if step is None else round(step * 1000, 3),
             codec_pass_ms=None if pass_s is None else round(pass_s * 1000, 3),
+            engine_margin=None if fit is None else round(self.engine_margin(fit), 4),
+            codec_margin=None if pass_s is None else round(self.codec_margin(pass_s), 4),
         )

@@ -68,6 +68,8 @@ class FlowStats:
     gateway_lag_ms: float  # the most any API process's event loop lags (smoothed), as last reported
     predicted_step_ms: float | None
     predicted_codec_pass_ms: float | None
+    engine_margin: float | None  # how much faster than real time admission keeps the streams (measured)
+    codec_margin: float | None
     paused_codec: int  # sessions waiting for the codec to catch up
     paused_client_buffer: int  # sessions whose client holds max_client_buffer_s
     paused_server_buffer: int  # sessions whose socket has not taken max_server_buffer_s (slow readers)
@@ -105,7 +107,8 @@ class FlowControl:
         self._num_slots = num_slots
         self._lookahead_samples = lookahead_samples
         self.capacity = CapacityModel(max_batch=batch_limit, max_frames_per_pass=max_frames_per_pass,
-                                      max_pass_s=max_pass_s, headroom=config.admission_headroom)
+                                      max_pass_s=max_pass_s, headroom=config.admission_headroom,
+                                      margin_floor=config.admission_margin_floor)
         self._estimate: CapacityEstimate | None = None  # cached for one scheduler step
         self._estimate_step = -1
         self._mean_context = 0.0  # tokens of context per decoded session, smoothed
@@ -311,6 +314,8 @@ class FlowControl:
             gateway_lag_ms=round(self._gateway_lag_s * 1000, 1),
             predicted_step_ms=estimate.step_ms,
             predicted_codec_pass_ms=estimate.codec_pass_ms,
+            engine_margin=estimate.engine_margin,
+            codec_margin=estimate.codec_margin,
             paused_codec=reasons["codec"],
             paused_client_buffer=reasons["client_buffer"],
             paused_server_buffer=reasons["server_buffer"],
