@@ -184,7 +184,9 @@ class SimEngine:
                 out.failed[slot] = "decode of a slot with no complete prompt"
                 continue
             if state.ended:
-                out.failed[slot] = "decode after end_of_speech"
+                # What a model does past its end: it goes on (the engine core launched this step before it read
+                # the end back; the scheduler drops the token).
+                out.tokens.setdefault(slot, []).append(END_OF_SPEECH)
                 continue
             if state.context >= self.max_seq_len:
                 out.failed[slot] = f"context of {state.context} tokens is at max_seq_len={self.max_seq_len}"
