@@ -90,9 +90,12 @@ async def run_load(target: Target, spec: LoadSpec, *, progress: Callable[[int], 
     ) as channel:
 
         async def one(index: int, text: str, voice: str, protocol: str) -> Any:
-            if spec.ramp_s and index < spec.concurrency:
-                await asyncio.sleep(spec.ramp_s * index / spec.concurrency)  # arrival schedule
             async with semaphore:
+                # The first `concurrency` requests arrive spread over the ramp; each later one when a request
+                # before it has ended (closed loop). The ramp's wait holds a place, so the later requests
+                # cannot all arrive at once while the first ones wait for their turn.
+                if spec.ramp_s and index < spec.concurrency:
+                    await asyncio.sleep(spec.ramp_s * index / spec.concurrency)  # arrival schedule
                 kwargs: dict[str, Any] = {"voice": voice, "fmt": "pcm", **sampling}
                 if protocol in ("rest", "elevenlabs"):
                     kwargs["client"] = http

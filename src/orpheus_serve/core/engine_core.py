@@ -5,12 +5,21 @@ engine-core process of its own (core/process.py, `server.engine_process`);
 either way `core.client.CoreRuntime` wires it to the scheduler and the
 codec worker, and it never touches a socket.
 
-    loop:
-        plan = scheduler.schedule()          # pure bookkeeping
-        out = engine.step(plan)              # the model runs here
-        events = scheduler.update(plan, out)
+    loop (engine.overlap, an engine with launch/collect: engines/base.PipelinedEngine):
+        plan N+1 = scheduler.schedule()      # pure bookkeeping, made while step N runs
+        handle N+1 = engine.launch(plan)     # queued on the device; returns at once
+        out N = engine.collect(handle N)     # step N's tokens, on the host
+        events = scheduler.update(plan N, out N)
         FramesReady      -> codec worker (batched SNAC decode on its own thread)
         other events     -> on_event (the service hops them onto its asyncio loop)
+
+    loop (no overlap, or an engine with step() only):
+        plan = scheduler.schedule(); out = engine.step(plan); events = scheduler.update(plan, out); ...
+
+With a step in flight the host's work (update, dispatch, the next plan) runs while the device runs
+the next step, so a loop period is max(device, host) instead of their sum. The scheduler plans from
+what it knows before a step's tokens are read back (ARCHITECTURE §5, "Overlapped steps"); a session
+that ended in step N has its token in step N+1 dropped.
 
 `submit` and `cancel` come from the asyncio thread (or, in the engine-core
 process, from its input thread); the scheduler's own lock
@@ -21,12 +30,14 @@ wake-up is lost); it never polls. While sessions exist but none can step
 `idle_tick_s`, or until `wake()`: the codec and the service call it when a
 session's backlog shrinks.
 
-Each loop period (schedule -> step -> update -> dispatch) is reported to the
-scheduler (`record_step_time`): that, not the engine call alone, is what a
-stream waits between two tokens, and it feeds the capacity measure that
-admission uses.
+Each loop period (schedule -> step -> update -> dispatch; overlapped, from one
+read-back to the next) is reported to the scheduler (`record_step_time`):
+that, not the engine call alone, is what a stream waits between two tokens,
+and it feeds the capacity measure that admission uses.
 
-A step that raises fails only its culprit. The engine core runs the plan's
+A step that raises fails only its culprit. (Overlapped, a launch that raises has changed nothing:
+the step in flight is read back first, then the plan runs as below. A read-back that raises means
+the device failed under a launched step: the engine is declared dead.) The engine core runs the plan's
 releases on their own, then its sessions again in halves (and halves of
 those) until every session has either run in a sub-step that succeeded, so
 its one token for this step is delivered as if nothing had happened, or

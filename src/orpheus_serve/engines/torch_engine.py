@@ -7,7 +7,12 @@ Start-up (nothing is allocated per request afterwards):
                                                  ─▶ per-slot sampling state (params, seed, presence mask)
                                                  ─▶ CUDA only: decode graphs per (padded batch, kv bucket)
 
-`step(plan)`, called by the engine core thread only:
+`launch(plan)` then `collect(handle)` (engines/base.PipelinedEngine; `step(plan)` is both),
+called by the engine core thread only. `launch` queues the work below and an asynchronous copy
+of the sampled tokens to pinned host memory, and returns; `collect` waits for that copy
+(engines/transfer.py). Host records (cached and generated ids) advance at launch: a step's
+count of tokens is known before their values, and the next plan's rows are fed from the
+device-side last tokens, so a step can be launched while the one before it still runs.
 
 1. `release`: the slot's session is forgotten; its cache rows are simply overwritten by the
    next occupant (attention masks everything past a row's own position).
