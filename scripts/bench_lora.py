@@ -4,6 +4,8 @@
     python scripts/bench_lora.py                              # tiny + ~100M Llamas, batch 16, 8 adapters of rank 16
     python scripts/bench_lora.py --presets 100m --batch 16 --adapters 0,1,8,16 --rank 64 --rounds 9
     python scripts/bench_lora.py --presets "" --model models/orpheus --adapters-dir voices --device cuda
+    python scripts/bench_lora.py --presets "" --model models/orpheus-3b --device cuda --dtype bf16 \
+        --batch 128 --adapters 0,8,32 --adapters-dir /tmp/lora-r16 --write-adapters --json lora.json
 
 One engine (adapters pool of max(adapters) entries) holds one group of `batch` sessions per
 adapter count: the sessions of the group with N adapters use adapter i % N (none for N = 0),
@@ -11,12 +13,16 @@ all prefilled before timing. Each round runs `--steps` decode steps of every gro
 every group sees the same machine conditions (a shared, loaded machine changes speed from one
 second to the next); the median round per group is reported, with its ratio to the group
 without adapters. Random adapters (all seven target modules) are written into a temporary
-folder unless --adapters-dir is given.
+folder unless --adapters-dir is given (with --write-adapters, into --adapters-dir, kept for the next
+run: the adapters already there are reused). CUDA graphs are on (the engine's default, the production
+shape) unless `--graphs off`. `--json` writes one row per (model, adapter count): step ms, tokens/s
+and the ratio to the batch without adapters.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -49,10 +55,10 @@ def ensure_model(models_dir: Path, preset: str) -> Path:
 
 
 def measure(model: Path, adapters_dir: Path, names: list[str], *, batch: int, counts: list[int], steps: int,
-            rounds: int, device: str, dtype: str, rank: int) -> list[tuple[int, float]]:
+            rounds: int, device: str, dtype: str, rank: int, graphs: bool = True) -> list[tuple[int, float]]:
     """[(adapters in the batch, median tokens/s)]"""
     engine = TorchEngine(model, num_slots=batch * len(counts), max_seq_len=64 + steps * rounds + 8, device=device,
-                         dtype=dtype, max_batch_size=batch, adapters_dir=adapters_dir,
+                         dtype=dtype, max_batch_size=batch, adapters_dir=adapters_dir, cuda_graphs=graphs,
                          max_loras=max(1, max(counts)), max_lora_rank=rank, seed=0)
     groups: list[list[int]] = []
     for g, count in enumerate(counts):
@@ -79,6 +85,23 @@ def measure(model: Path, adapters_dir: Path, names: list[str], *, batch: int, co
     return [(count, batch * steps / statistics.median(t)) for count, t in zip(counts, times, strict=True)]
 
 
+def _adapters(args: argparse.Namespace, folder: Path, scratch: Path, needed: int) -> tuple[Path, list[str]]:
+    """(adapters folder, the adapter names in it): --adapters-dir, or random ones written into `scratch`
+    (or into --adapters-dir with --write-adapters)."""
+    if args.adapters_dir and not args.write_adapters:
+        adapters_dir = Path(args.adapters_dir)
+        names = sorted(p.name for p in adapters_dir.iterdir() if (p / "adapter_config.json").is_file())
+    else:
+        adapters_dir = Path(args.adapters_dir) if args.adapters_dir else scratch
+        names = [f"voice{i}" for i in range(needed)]
+        for i, name in enumerate(names):
+            if not (adapters_dir / name / "voice.json").is_file():  # written last: a whole adapter
+                write_lora_adapter(adapters_dir / name, folder, seed=i, rank=args.rank)
+    if needed > len(names):
+        raise SystemExit(f"{adapters_dir} holds {len(names)} adapters, fewer than {needed}")
+    return adapters_dir, names
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="tiny,100m", help="random-weight models to run (comma list; '' for none)")
@@ -93,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (CUDA only; default on)")
+    ap.add_argument("--write-adapters", action="store_true",
+                    help="write the random adapters missing from --adapters-dir into it (and keep them)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,24 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}, dtype {dtype}, batch {args.batch}, rank {args.rank}, {args.steps} steps x "
           f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
     print(f"{'model':<14}{'adapters':>9}{'tokens/s':>11}{'vs base':>9}")
+    rows: list[dict[str, object]] = []
     for label, folder in models:
         with tempfile.TemporaryDirectory() as tmp:
-            if args.adapters_dir:
-                adapters_dir = Path(args.adapters_dir)
-                names = sorted(p.name for p in adapters_dir.iterdir() if (p / "adapter_config.json").is_file())
-            else:
-                adapters_dir = Path(tmp)
-                names = [f"voice{i}" for i in range(max(counts))]
-                for i, name in enumerate(names):
-                    write_lora_adapter(adapters_dir / name, folder, seed=i, rank=args.rank)
-            if max(counts) > len(names):
-                raise SystemExit(f"{adapters_dir} holds {len(names)} adapters, fewer than {max(counts)}")
+            adapters_dir, names = _adapters(args, folder, Path(tmp), max(counts))
             results = measure(folder, adapters_dir, names, batch=args.batch, counts=counts, steps=args.steps,
-                              rounds=args.rounds, device=device, dtype=dtype, rank=args.rank)
+                              rounds=args.rounds, device=device, dtype=dtype, rank=args.rank,
+                              graphs=args.graphs == "on")
         base = dict(results).get(0)
         for count, tps in results:
             ratio = f"{tps / base:.2f}" if base else "-"
-            print(f"{label:<14}{count:>9}{tps:>11.0f}{ratio:>9}")
+            print(f"{label:<14}{count:>9}{tps:>11.0f}{ratio:>9}", flush=True)
+            rows.append({"model": label, "batch": args.batch, "adapters": count, "rank": args.rank,
+                         "graphs": args.graphs == "on" and device.startswith("cuda"),
+                         "step_ms": round(args.batch / tps * 1e3, 3), "tokens_per_s": round(tps, 1),
+                         "vs_base": round(tps / base, 3) if base else None})
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": device, "dtype": dtype, "torch": torch.__version__, "batch": args.batch, "rank": args.rank,
+            "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -209,6 +209,89 @@ def test_report_merges_stages_and_keeps_the_raw_json(tmp_path: Path) -> None:
     assert sorted(p.name for p in raw.iterdir()) == [f"{s}.json" for s in sorted(STAGES)]
 
 
+# ----------------------------------------------------------------- the engine stage's sub-steps
+
+
+def engine_run(tmp_path: Path, *, left_s: float, **shapes: object) -> kit.StageRun:
+    """An engine stage run on the dry shapes, its main bench already measured, `left_s` to its deadline."""
+    import dataclasses
+    import time
+
+    run = kit.StageRun("engine", dataclasses.replace(kit.DRY, **shapes), results=tmp_path / "out",
+                       work=tmp_path / "work", deadline=time.time() + left_s, dry_run=True)
+    row = {"kv_len_first": 250, "kv_len_last": 255, "graphs": True, "constrained": True, "batch": 2, "step_ms": 1.0,
+           "tokens_per_s": 2000.0, "x_batch_1": 1.8}
+    run.data.update(bench={"rows": [row], "complete": True}, slots_that_fit=[], sdpa=["cpu"], complete=True)
+    return run
+
+
+def test_engine_sub_steps_short_of_time_are_skipped_and_said_so(tmp_path: Path) -> None:
+    run = engine_run(tmp_path, left_s=5)
+    llama = tmp_path / "no-model"  # nothing may start: the time check comes first
+    run.data["lora"] = kit._engine_lora(run, llama)
+    run.data["variants"] = kit._engine_variants(run, llama)
+    kit.render_engine(run)
+    assert run.data["lora"] == {"status": "skipped", "reason": "5 s left, 20 s needed", "rows": []}
+    assert run.data["variants"]["status"] == "skipped" and not run.data["variants"]["rows"]
+    assert all(p.endswith("(deadline)") for p in run.data["problems"]) and len(run.data["problems"]) == 2
+    assert "**SKIPPED**: 5 s left, 20 s needed" in run.table and "| distinct adapters |" not in run.table
+    assert "| 250-255 | on | on | 2 |" in run.table  # the main bench's numbers stay
+
+
+def test_a_failed_engine_sub_step_is_reported_not_merged_as_a_number(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run = engine_run(tmp_path, left_s=300)
+
+    def failing(cmd: list[str], *, log_name: str, **_: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 1, "Traceback ...\nRuntimeError: CUDA out of memory", "")
+
+    monkeypatch.setattr(run, "run", failing)
+    run.data["lora"] = kit._engine_lora(run, tmp_path / "model")
+    run.data["variants"] = kit._engine_variants(run, tmp_path / "model")
+    kit.render_engine(run)
+    assert run.data["lora"]["status"] == "failed" and "out of memory" in run.data["lora"]["reason"]
+    assert run.data["variants"]["status"] == "failed" and run.data["variants"]["rows"] == []
+    assert all(p.endswith("(sub-step failed)") for p in run.data["problems"])
+    assert run.table.count("**FAILED**") == 2 and "| distinct adapters |" not in run.table
+
+    # The report merges the stage (its main numbers stand), marked partial with what failed.
+    run.data.update(ok=True, complete=False, env=stage_json("engine")["env"])
+    run.save()
+    doc = tmp_path / "PERFORMANCE.md"
+    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    subprocess.run([*REPORT, str(run.results), "--doc", str(doc), "--raw-root", str(tmp_path / "raw"),
+                    "--allow-dry-run"], check=True, capture_output=True)
+    merged = doc.read_text()
+    assert "PARTIAL: LoRA adapters in a batch of 2: bench_lora.py exited 1" in merged
+    assert "**FAILED**: bench_lora.py exited 1" in merged
+
+
+@pytest.mark.gpukit  # about half a minute: the engine stage alone, tiny shapes on the CPU
+def test_the_engine_stage_measures_adapters_and_variants(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "KIT_WORK": str(tmp_path / "work"), "PYTHON": sys.executable}
+    env.pop("KIT_WHEELS", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "--budget", "300", "--dry-run", "engine"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    engine = json.loads((out / "engine.json").read_text())
+    assert engine["ok"] and engine["complete"] and not engine["problems"]
+    lora = engine["lora"]
+    assert lora["status"] == "measured" and [r["adapters"] for r in lora["rows"]] == [0, 1, 2]
+    assert all(r["batch"] == 2 and r["rank"] == 16 and r["tokens_per_s"] > 0 for r in lora["rows"])
+    variants = engine["variants"]
+    assert variants["status"] == "measured" and variants["measured"] == ["triton", "triton+fp8kv", "triton+fp8kv+fp8w"]
+    assert all(r["batch"] == 2 and r["context"] == 256 and r["tokens_per_s"] > 0 for r in variants["rows"])
+
+    doc = tmp_path / "PERFORMANCE.md"
+    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    subprocess.run([*REPORT, str(out), "--doc", str(doc), "--raw-root", str(tmp_path / "raw"), "--allow-dry-run"],
+                   check=True, capture_output=True)
+    merged = doc.read_text()
+    assert "LoRA adapters in a batch of 2 (rank 16" in merged and "| distinct adapters |" in merged
+    assert "Attention / precision variants" in merged and "| triton+fp8kv | 250-255 | 2 |" in merged
+
+
 def test_run_sh_rejects_unknown_stages_and_bad_budgets() -> None:
     for args in (["bogus"], ["--budget", "soon", "check"], []):
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), *args, "--dry-run"], cwd=ROOT,
@@ -269,8 +352,11 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
 
     engine = datas["engine"]
     rows = engine["bench"]["rows"]
-    assert {(r["context"], r["constrained"], r["batch"]) for r in rows} == {
-        (c, k, b) for c in (256, 512) for k in (True, False) for b in (1, 2)}
+    assert {(r["context"], r["graphs"], r["constrained"], r["batch"]) for r in rows} == {
+        (c, False, True, b) for c in (256, 512) for b in (1, 2)}  # graphs on and off: both off on a CPU
+    assert [r["adapters"] for r in engine["lora"]["rows"]] == [0, 1, 2]
+    assert {(r["variant"], r["batch"]) for r in engine["variants"]["rows"]} == {
+        (v, 2) for v in ("triton", "triton+fp8kv", "triton+fp8kv+fp8w")}
     # Every step of a context's measurement attends within the graph bucket that ends at the context.
     assert all(r["context"] // 2 < r["kv_len_first"] <= r["kv_len_last"] <= r["context"] for r in rows)
     assert engine["slots_that_fit"][0]["max_slots"] > 0
@@ -296,6 +382,7 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert refused.returncode != 0 and "dry run" in refused.stderr
     subprocess.run([*report, "--allow-dry-run"], check=True, capture_output=True)
     assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
+    assert "LoRA adapters in a batch of 2" in doc.read_text() and "| triton+fp8kv+fp8w | " in doc.read_text()
 
 
 @pytest.mark.gpukit  # about a minute: with the full dry run, outside the CI lane

@@ -13,8 +13,14 @@ Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100,
           canopylabs/orpheus-3b-0.1-ft; weight values do not change speed), then
           `scripts/bench_engine.py` (weights loaded once, straight to the GPU): decode step ms and
           tokens/s per batch size at two KV lengths, each inside one CUDA-graph bucket, CUDA graphs
-          on and off, the constraint on and off, the attention kernel that ran; then the memory
-          plan (slots that fit) against the card's free memory.
+          on and off (the constraint on), the attention kernel that ran; then the memory plan (slots
+          that fit) against the card's free memory. Two sub-steps follow, each skipped (and said so)
+          when too little of the stage's time is left: `scripts/bench_lora.py` on the same checkpoint,
+          a batch of 128 sessions with 0, 8 and 32 distinct random PEFT adapters (rank 16, all seven
+          target modules, CUDA graphs on, pool of 32); then `bench_engine.py --variants` (triton
+          split-K decode attention, + FP8 KV cache, + FP8 linears) at the big points only: batch 128
+          and 256 at KV lengths up to 1,024, graphs on. A sub-step that fails is recorded as failed,
+          with the main numbers kept.
 - codec:  the stateful SNAC decoder in FP16 on its own CUDA stream: ms per decode pass at each
           batch size, audio seconds decoded per GPU second, overlap with engine decode steps (both
           at once against each alone; every step checked to have decoded every row), and FP16 against
@@ -65,8 +71,8 @@ TTFB_TARGETS_MS = (150.0, 300.0)
 # GPU box's packages plus .whl/): a module missing there fails in seconds, not minutes into a stage.
 STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "check": ("pytest", "pytest_timeout", "torch"),
-    "engine": ("torch", "safetensors", "orpheus_serve.weights.tiny", "orpheus_serve.engines.torch_engine",
-               "scripts.bench_engine"),
+    "engine": ("torch", "safetensors", "triton", "orpheus_serve.weights.tiny", "orpheus_serve.engines.torch_engine",
+               "orpheus_serve.engines.lora", "scripts.bench_engine", "scripts.bench_lora"),
     "codec": ("torch", "snac", "orpheus_serve.weights.tiny", "orpheus_serve.codec.loader",
               "orpheus_serve.codec.stateful", "orpheus_serve.engines.torch_engine"),
     "serve": ("torch", "snac", "zmq", "msgpack", "grpc", "uvicorn", "fastapi", "orpheus_serve.weights.tiny",
@@ -102,6 +108,19 @@ class Shapes:
     serve_max_tokens: int
     serve_max_seq_len: int
     memory_plan_seq_lens: list[int] = field(default_factory=lambda: [1024, 4096])
+    constrained: str = "on"  # the frame-position constraint in the main engine bench: on, off or on,off
+    # Engine sub-step: adapters in one batch (bench_lora.py), graphs on.
+    lora_batch: int = 128
+    lora_counts: list[int] = field(default_factory=lambda: [0, 8, 32])
+    lora_rank: int = 16
+    lora_steps: int = 8
+    lora_rounds: int = 3
+    lora_reserve_s: float = 60.0  # kept back from the main bench; the sub-step starts only with this left
+    # Engine sub-step: decode attention / precision variants (bench_engine.py --variants) at the big points.
+    variants: list[str] = field(default_factory=lambda: ["triton", "triton+fp8kv", "triton+fp8kv+fp8w"])
+    variant_batches: list[int] = field(default_factory=lambda: [128, 256])
+    variant_context: int = 1024
+    variants_min_s: float = 40.0  # the sub-step starts only with this left (one variant engine ~20 s)
 
 
 REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256], contexts=[256, 1024],
@@ -111,7 +130,9 @@ REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256
 DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts=[256, 512], steps=2, rounds=1,
              warmup=1, codec_batches=[1, 2], codec_passes=2, overlap_batch=2, overlap_steps=4,
              serve_warmup_concurrency=1, serve_levels=[1, 2], serve_requests_per_stream=1, serve_ramp_s=0.2,
-             serve_max_tokens=28, serve_max_seq_len=256, memory_plan_seq_lens=[256])
+             serve_max_tokens=28, serve_max_seq_len=256, memory_plan_seq_lens=[256], lora_batch=2,
+             lora_counts=[0, 1, 2], lora_steps=2, lora_rounds=1, lora_reserve_s=20.0, variant_batches=[2],
+             variant_context=256, variants_min_s=15.0)
 
 
 # ----------------------------------------------------------------- one stage's run
@@ -359,21 +380,13 @@ def _junit_failures(path: Path) -> list[tuple[str, str]]:
 def stage_engine(run: StageRun) -> None:
     shapes = run.shapes
     llama, _ = ensure_models(run)
-    raw = run.work / "engine-bench.json"
-    raw.unlink(missing_ok=True)  # never report an earlier run's rows
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--presets", "", "--model", str(llama),
-           "--device", shapes.device, "--dtype", shapes.dtype, "--contexts-are-kv-tops",
-           "--batches", ",".join(map(str, shapes.batches)), "--contexts", ",".join(map(str, shapes.contexts)),
-           "--graphs", "on,off", "--constrained", "on,off", "--steps", str(shapes.steps),
-           "--rounds", str(shapes.rounds), "--warmup", str(shapes.warmup), "--json", str(raw),
-           # No configuration starts in the last minute: one takes tens of seconds at batch 256.
-           "--deadline", str(run.deadline - 60)]
-    if run.dry_run:
-        cmd += ["--threads", "1"]
-    proc = run.run(cmd, log_name="engine-bench.log", reserve_s=30)
-    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": [], "complete": False}
-    if proc.returncode not in (0, 124):
-        run.problem(f"bench_engine.py exited {proc.returncode}: {proc.stdout[-600:]}")
+    bench, code = _engine_bench(run, llama, tag="engine-bench", batches=shapes.batches, contexts=shapes.contexts,
+                                graphs="on,off", constrained=shapes.constrained,
+                                # The LoRA sub-step's time is kept back; no configuration starts in the
+                                # last 40 s before it: one takes tens of seconds at batch 256.
+                                deadline=run.deadline - shapes.lora_reserve_s - 40)
+    if code not in (0, 124):
+        run.problem(f"bench_engine.py exited {code}")
     if not bench.get("complete"):
         run.problem("not every configuration was measured (deadline)")
     from scripts.bench_engine import memory_plan
@@ -381,23 +394,141 @@ def stage_engine(run: StageRun) -> None:
     # Nothing else holds the card now: the plan is against its real free memory.
     plans = [memory_plan(llama, slots=max(shapes.batches), max_seq_len=n, device=shapes.device, dtype=shapes.dtype)
              for n in shapes.memory_plan_seq_lens]
-    run.data.update(model=llama.name, bench=bench, slots_that_fit=plans)
-    rows = bench["rows"]
-    kernels = sorted({str(r.get("sdpa")) for r in rows})
-    run.data["sdpa"] = kernels
+    run.data.update(model=llama.name, bench=bench, slots_that_fit=plans, sdpa=sorted(
+        {str(r.get("sdpa")) for r in bench["rows"]}))
+    if not bench["rows"]:
+        run.problem("no engine configuration was measured")
+    run.data["complete"] = bool(bench.get("complete")) and code == 0
+    render_engine(run)
+    run.save()
+    run.data["lora"] = _engine_lora(run, llama)
+    render_engine(run)
+    run.save()
+    run.data["variants"] = _engine_variants(run, llama)
+    render_engine(run)
+    run.data["complete"] = run.data["complete"] and all(
+        run.data[k].get("status") == "measured" for k in ("lora", "variants"))
+
+
+def _engine_bench(run: StageRun, llama: Path, *, tag: str, batches: list[int], contexts: list[int], graphs: str,
+                  constrained: str, deadline: float, variants: list[str] | None = None) -> tuple[dict[str, Any], int]:
+    """One `bench_engine.py` run: (its JSON, its exit code)."""
+    shapes = run.shapes
+    raw = run.work / f"{tag}.json"
+    raw.unlink(missing_ok=True)  # never report an earlier run's rows
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--presets", "", "--model", str(llama),
+           "--device", shapes.device, "--dtype", shapes.dtype, "--contexts-are-kv-tops",
+           "--batches", ",".join(map(str, batches)), "--contexts", ",".join(map(str, contexts)),
+           "--graphs", graphs, "--constrained", constrained, "--steps", str(shapes.steps),
+           "--rounds", str(shapes.rounds), "--warmup", str(shapes.warmup), "--json", str(raw),
+           "--deadline", str(deadline)]
+    if variants:
+        cmd += ["--variants", ",".join(variants)]
+    if run.dry_run:
+        cmd += ["--threads", "1"]
+    # Triton on a CPU (the dry run) runs in its interpreter only.
+    proc = run.run(cmd, log_name=f"{tag}.log", reserve_s=20, env={"TRITON_INTERPRET": "1"} if run.dry_run else None)
+    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": [], "complete": False}
+    return bench, proc.returncode
+
+
+def _substep_failed(run: StageRun, name: str, text: str) -> dict[str, Any]:
+    """A sub-step that failed: recorded, not merged as a number; the main bench's numbers stay good."""
+    run.problem(f"{name}: {text} (sub-step failed)")
+    return {"status": "failed", "reason": text, "rows": []}
+
+
+def _substep_skipped(run: StageRun, name: str, text: str) -> dict[str, Any]:
+    run.problem(f"{name} not measured: {text} (deadline)")
+    return {"status": "skipped", "reason": text, "rows": []}
+
+
+def _engine_lora(run: StageRun, llama: Path) -> dict[str, Any]:
+    """Decode of one batch with 0, 8 and 32 distinct LoRA adapters (bench_lora.py), graphs on."""
+    shapes = run.shapes
+    name = f"LoRA adapters in a batch of {shapes.lora_batch}"
+    if run.left() < shapes.lora_reserve_s:
+        return _substep_skipped(run, name, f"{run.left():.0f} s left, {shapes.lora_reserve_s:.0f} s needed")
+    raw = run.work / "engine-lora.json"
+    raw.unlink(missing_ok=True)
+    # Written once per machine (kept with the models): random, PEFT's format, the project's own writer.
+    adapters = run.work / "models" / f"lora-{llama.name}-r{shapes.lora_rank}"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_lora.py"), "--presets", "", "--model", str(llama),
+           "--adapters-dir", str(adapters), "--write-adapters", "--device", shapes.device, "--dtype", shapes.dtype,
+           "--batch", str(shapes.lora_batch), "--adapters", ",".join(map(str, shapes.lora_counts)),
+           "--rank", str(shapes.lora_rank), "--steps", str(shapes.lora_steps), "--rounds", str(shapes.lora_rounds),
+           "--graphs", "on", "--json", str(raw)]
+    if run.dry_run:
+        cmd += ["--threads", "1"]
+    proc = run.run(cmd, log_name="engine-lora.log", reserve_s=10)
+    if proc.returncode == 124:
+        return {"status": "skipped", "reason": "cut short by the stage's deadline", "rows": []}
+    if proc.returncode != 0 or not raw.exists():
+        return _substep_failed(run, name, f"bench_lora.py exited {proc.returncode}: {proc.stdout[-400:]}")
+    data = json.loads(raw.read_text())
+    counts = [r["adapters"] for r in data["rows"]]
+    if counts != shapes.lora_counts:
+        return _substep_failed(run, name, f"measured adapter counts {counts}, expected {shapes.lora_counts}")
+    return {"status": "measured", "adapters_dir": str(adapters), **data}
+
+
+def _engine_variants(run: StageRun, llama: Path) -> dict[str, Any]:
+    """Decode attention / precision variants (docs/ATTENTION.md) at the big points, graphs on."""
+    shapes = run.shapes
+    name = "attention / precision variants"
+    if run.left() < shapes.variants_min_s:
+        return _substep_skipped(run, name, f"{run.left():.0f} s left, {shapes.variants_min_s:.0f} s needed")
+    bench, code = _engine_bench(run, llama, tag="engine-variants", batches=shapes.variant_batches,
+                                contexts=[shapes.variant_context], graphs="on", constrained="on",
+                                deadline=run.deadline - 25, variants=shapes.variants)
+    rows = [r for r in bench["rows"] if r["batch"] in shapes.variant_batches]
+    measured = sorted({r["variant"] for r in rows}, key=shapes.variants.index)
+    result = {"status": "measured", "rows": rows, "memory_plans": bench.get("memory_plans", []),
+              "variants": shapes.variants, "measured": measured}
+    if code not in (0, 124):
+        return {**_substep_failed(run, name, f"bench_engine.py --variants exited {code}"), "rows": rows}
+    if measured != shapes.variants:
+        missing = [v for v in shapes.variants if v not in measured]
+        run.problem(f"{name}: {', '.join(missing)} not measured (deadline)")
+        result["status"] = "partial"
+    return result
+
+
+def render_engine(run: StageRun) -> None:
+    data = run.data
+    rows, plans = data["bench"]["rows"], data["slots_that_fit"]
     run.table = markdown_table(
         ["KV lengths", "CUDA graphs", "constrained", "batch", "step ms", "tokens/s", "x batch 1"],
         [[f"{r['kv_len_first']}-{r['kv_len_last']}", r["graphs"], r["constrained"], r["batch"], r["step_ms"],
           r["tokens_per_s"], r["x_batch_1"]] for r in rows])
-    run.table += f"\n\nAttention (SDPA) kernel: {', '.join(kernels) or '-'}."
+    run.table += f"\n\nAttention (SDPA) kernel: {', '.join(data['sdpa']) or '-'}."
     run.table += "\n\nMemory plan (engine planner, 90% of the free memory measured with nothing loaded):\n\n"
     run.table += markdown_table(
         ["slots", "max_seq_len", "free GiB", "weights GiB", "KV MiB / slot", "budget GiB", "slots that fit"],
         [[p["slots"], p["max_seq_len"], p["free_gib_measured"], p["weights_gib"], p["kv_mib_per_slot"],
           p["budget_gib"], p["max_slots"]] for p in plans])
-    if not rows:
-        run.problem("no engine configuration was measured")
-    run.data["complete"] = bool(bench.get("complete")) and proc.returncode == 0
+    shapes = run.shapes
+    if lora := data.get("lora"):
+        graphs = "on" if any(r.get("graphs") for r in lora["rows"]) else "off"
+        run.table += (f"\n\nLoRA adapters in a batch of {shapes.lora_batch} (rank {shapes.lora_rank}, q,k,v,o,gate,"
+                      f"up,down; CUDA graphs {graphs}; pool of {max(shapes.lora_counts)}; session i uses adapter i "
+                      "mod N):")
+        run.table += "\n\n" + (markdown_table(
+            ["distinct adapters", "step ms", "tokens/s", "vs no adapters"],
+            [[r["adapters"], r["step_ms"], r["tokens_per_s"], r["vs_base"]] for r in lora["rows"]])
+            if lora["status"] == "measured" else f"**{lora['status'].upper()}**: {lora['reason']}")
+    if variants := data.get("variants"):
+        graphs = "on" if any(r.get("graphs") for r in variants["rows"]) else "off"
+        run.table += (f"\n\nAttention / precision variants (docs/ATTENTION.md) at KV lengths up to "
+                      f"{shapes.variant_context:,}, CUDA graphs {graphs}, constrained (sdpa: the rows above):")
+        if variants["rows"]:
+            run.table += "\n\n" + markdown_table(
+                ["variant", "KV lengths", "batch", "step ms", "tokens/s", "slots that fit"],
+                [[r["variant"], f"{r['kv_len_first']}-{r['kv_len_last']}", r["batch"], r["step_ms"],
+                  r["tokens_per_s"], r["slots_fit"]] for r in variants["rows"]])
+        if variants["status"] != "measured":
+            run.table += f"\n\n**{variants['status'].upper()}**: " + (variants.get("reason") or "not every variant "
+                                                                          "was measured (deadline)")
 
 
 # ----------------------------------------------------------------- codec
@@ -800,7 +931,9 @@ def run_stage(stage: str, *, results: Path, work: Path, deadline: float, dry_run
         return 1
     measured = {"check": lambda d: d.get("pytest"), "engine": lambda d: d.get("bench", {}).get("rows"),
                 "codec": lambda d: d.get("rows"), "serve": lambda d: d.get("rows")}[stage](run.data)
-    run.data["ok"] = bool(measured) and not [p for p in run.data["problems"] if not p.endswith("(deadline)")]
+    # A deadline, or a failed sub-step (recorded as such beside numbers that stand), does not fail the stage.
+    run.data["ok"] = bool(measured) and not [p for p in run.data["problems"]
+                                             if not p.endswith(("(deadline)", "(sub-step failed)"))]
     run.save()
     print(f"{stage}: {'ok' if run.data['ok'] else 'FAILED'}, wrote {results / (stage + '.json')} "
           f"in {run.data['stage_seconds']} s", flush=True)
