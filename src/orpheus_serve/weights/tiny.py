@@ -243,7 +243,7 @@ _LORA_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_at
 
 def write_lora_adapter(out: Path, base: Path, *, seed: int, rank: int, alpha: float | None = None,
                        targets: tuple[str, ...] = LORA_TARGETS, prompt_name: str | None = None,
-                       description: str = "") -> Path:
+                       description: str = "", dtype: torch.dtype = torch.float32) -> Path:
     """One seeded random LoRA adapter for the Llama folder `base`, in PEFT's on-disk format
     (adapter_config.json + adapter_model.safetensors, the names PEFT saves), plus a voice.json.
 
@@ -266,7 +266,7 @@ def write_lora_adapter(out: Path, base: Path, *, seed: int, rank: int, alpha: fl
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * n_in**-0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * (rank**-0.5 * rank / alpha)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "adapter_model.safetensors"),
+    save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
