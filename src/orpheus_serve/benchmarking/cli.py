@@ -231,6 +231,8 @@ def print_row(title: str, row: dict[str, Any]) -> None:
           f"audio s/s={row['audio_seconds_per_second']}  cpu s/audio s={row['server_cpu_s_per_audio_s']}  "
           f"cpu us/token core/api={row.get('core_cpu_us_per_token')}/{row.get('api_cpu_us_per_token')}  "
           f"step loop/engine ms={row.get('loop_ms_per_step')}/{row.get('engine_ms_per_step')}  "
+          f"generating at once peak/capacity at saturation={row.get('admitted_peak')}/"
+          f"{row.get('capacity_at_saturation')}  "
           f"lag ms gateway max/client p99/max={row.get('gateway_lag_ms_max')}/{row.get('client_loop_lag_ms_p99')}/"
           f"{row.get('client_loop_lag_ms_max')}",
           flush=True)

@@ -131,7 +131,8 @@ async def _watch_loop_lag(lags: list[float]) -> None:
 
 
 class _GatewayLagSampler:
-    """The server's flow.gateway_lag_ms, sampled every `every_s` from /v1/stats on a thread of its own."""
+    """The server's flow.gateway_lag_ms, and its admission state (sessions generating, the capacity estimate,
+    whether admission is closed), sampled every `every_s` from /v1/stats on a thread of its own."""
 
     def __init__(self, target: Target, every_s: float = 0.5) -> None:
         self._target = target
@@ -139,6 +140,8 @@ class _GatewayLagSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-lag-sampler", daemon=True)
         self.samples: list[float] = []
+        self.admitted: list[int] = []  # scheduler.active_sessions: streams generating at once
+        self.saturated_capacity: list[int] = []  # flow.capacity_streams while admission was closed
 
     def __enter__(self) -> _GatewayLagSampler:
         self._thread.start()
@@ -150,9 +153,14 @@ class _GatewayLagSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
-            lag = self._target.stats().get("flow", {}).get("gateway_lag_ms")
+            stats = self._target.stats()
+            flow = stats.get("flow", {})
+            lag = flow.get("gateway_lag_ms")
             if lag is not None:
                 self.samples.append(float(lag))
+            self.admitted.append(int(stats.get("scheduler", {}).get("active_sessions", 0)))
+            if flow.get("capacity_streams") is not None and not flow.get("admission_open", True):
+                self.saturated_capacity.append(int(flow["capacity_streams"]))
 
 
 def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -169,6 +177,11 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     row["stream_audio_s_max"] = round(max(lengths), 3) if lengths else None
     # Whose lateness the underruns may be: the server's API process(es), or this client's own loop.
     row["gateway_lag_ms_max"] = max(gateway.samples, default=None)
+    # Streams generating at once (server side; a stream's audio plays on after its generation ends, so fewer
+    # than those playing at once), and the capacity estimate while admission was closed.
+    row["admitted_peak"] = max(gateway.admitted, default=None)
+    row["capacity_at_saturation"] = (sorted(gateway.saturated_capacity)[len(gateway.saturated_capacity) // 2]
+                                     if gateway.saturated_capacity else None)
     row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))
     row["client_loop_lag_ms_max"] = _ms(max(client_lags, default=None))
     cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"]
