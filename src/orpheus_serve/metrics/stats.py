@@ -130,6 +130,8 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "mean_batch_size": round(s.mean_batch_size, 3),
             "total_steps": s.total_steps,
             "adapter_waits": s.adapter_waits,  # plans where a custom voice waited for an adapter-pool entry
+            # tokens dropped: made for a session that had ended (a step in flight when it ended, or a cancel)
+            "stray_tokens": s.stray_tokens,
         },
         "kv_cache": {
             "used_slots": s.used_slots,
