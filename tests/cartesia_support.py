@@ -97,6 +97,12 @@ def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
     return server.server.gateway.figures()["requests"][protocol].get("cancelled", 0)
 
 
+# Engine steps from the server's cancel to the session's end: the cancel lands between two steps and ends the
+# session at once, and its end goes out with the next step's output; with a step in flight (engine.overlap)
+# that output may be one step later.
+STEPS_AFTER_SERVER_CANCEL = 3
+
+
 def before_cancel(server: ServerThread, protocol: str = "cartesia") -> tuple[int, int]:
     """(engine steps, the protocol's streams closed as cancelled), read just before a client cancels."""
     return steps(server), cancelled_streams(server, protocol)

@@ -50,6 +50,7 @@ from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
+    STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
     context_sessions,
@@ -368,7 +369,7 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> Non
     from_send, from_server = measured["stopped_within"]
     print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
           f"{from_server}")
-    assert from_server <= 2, from_server
+    assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
     assert_same_audio(later, asyncio.run(replay(server, response_chunks(server, SENTENCE))))
