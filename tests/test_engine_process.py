@@ -151,6 +151,64 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
         ctx.term()
 
 
+def test_notes_from_an_api_process_touch_only_its_own_sessions(tiny_orpheus: Path, tmp_path: Path) -> None:
+    """A session id that API process 1 used and ended is submitted again by API process 0 before process 1's
+    release (and a late cancel) for it arrives: those notes are process 1's, and must neither cancel process
+    0's session nor take its outputs away (process 0 would wait for them forever)."""
+    config = sim_config(tiny_orpheus, **SPLIT)
+    addresses = CoreAddresses(input=f"ipc://{tmp_path}/in", outputs=(f"ipc://{tmp_path}/out-0",
+                                                                    f"ipc://{tmp_path}/out-1"))
+    ctx = zmq.Context()
+    outputs = [ctx.socket(zmq.PULL) for _ in addresses.outputs]
+    for sock, address in zip(outputs, addresses.outputs, strict=True):
+        sock.bind(address)
+    calls = ctx.socket(zmq.DEALER)
+    calls.connect(addresses.input)
+    core = EngineCoreProc(config, SimEngine.from_config(config), SimDecoder(), "cpu", addresses)
+    runner = threading.Thread(target=core.run, daemon=True)
+    runner.start()
+    seq = iter(range(1, 100))
+
+    def call(kind: int, *args: Any) -> list[Any]:
+        number = next(seq)
+        calls.send(wire.pack([kind, number, *args]))
+        assert calls.poll(10_000), "no answer from the core"
+        reply = wire.unpack(calls.recv())
+        assert reply[0] == number
+        return reply[1:]
+
+    def until_done(api: int) -> tuple[bytes, list[Outcome]]:
+        """The session's audio and outcomes (generation's, then the codec's) on API process `api`'s socket."""
+        pcm, outcomes = b"", []
+        while Outcome.AUDIO not in outcomes and not {Outcome.ERROR, Outcome.CANCELLED} & set(outcomes):
+            assert outputs[api].poll(10_000), f"no output for API process {api}"
+            for session, item in (wire.decode_output(e) for e in wire.unpack(outputs[api].recv())):
+                assert session == "same-id"
+                if isinstance(item, SessionDone):
+                    outcomes.append(item.outcome)
+                else:
+                    pcm += item
+        return pcm, outcomes
+
+    request = wire.encode_request(SessionRequest("same-id", (128259, 128000, 42, 128257),
+                                                 SamplingParams(max_tokens=140, seed=1), time.monotonic()))
+    try:
+        assert call(wire.CALL_SUBMIT, 1, request) == [wire.OK]
+        first_pcm, first = until_done(1)
+        assert first[-1] is Outcome.AUDIO and Outcome.CANCELLED not in first and first_pcm
+        assert call(wire.CALL_SUBMIT, 0, request) == [wire.OK]  # the id is free again: process 0 takes it
+        calls.send(wire.pack([wire.NOTES, 1, [], ["same-id"], ["same-id"]]))  # process 1's late cancel, release
+        pcm, done = until_done(0)
+        assert done == first and pcm == first_pcm  # the same seeded session, whole
+        assert call(CALL_SHUTDOWN) == [wire.OK]
+        runner.join(10)
+    finally:
+        calls.close(0)
+        for sock in outputs:
+            sock.close(0)
+        ctx.term()
+
+
 def test_more_than_one_api_process_needs_the_engine_core_process() -> None:
     with pytest.raises(ConfigError, match=r"server.*api_processes > 1 needs server\.engine_process: true"):
         load_config(overrides={"server.engine_process": False, "server.api_processes": 2}, env={})

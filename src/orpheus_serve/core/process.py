@@ -151,17 +151,7 @@ class EngineCoreProc:
         """One message from an API process; True when it says stop."""
         kind = message[0]
         if kind == wire.NOTES:
-            _, delivered, cancels, releases = message
-            for session_id, samples in delivered:
-                self._runtime.note_delivered(session_id, samples)
-            for session_id in cancels:
-                self._runtime.cancel(session_id)
-            if releases:
-                with self._cond:
-                    for session_id in releases:
-                        self._owner.pop(session_id, None)
-            if delivered:
-                self._runtime.wake()
+            self._notes(*message[1:])
             return False
         if kind == wire.FIGURES:
             self._figures[message[1]] = message[2]
@@ -198,6 +188,24 @@ class EngineCoreProc:
             return True
         log.error("unknown message kind %r from an API process; ignored", kind)
         return False
+
+    def _notes(self, api: int, delivered: list[Any], cancels: list[str], releases: list[str]) -> None:
+        """An API process's delivery notes, cancels and releases, for the sessions it owns: a session id it
+        used before and released may belong to another API process by now (the same id submitted there
+        after this process's session ended, before its release arrived)."""
+        with self._cond:
+            owner = self._owner
+            delivered = [(sid, samples) for sid, samples in delivered if owner.get(sid) == api]
+            cancels = [sid for sid in cancels if owner.get(sid) == api]
+            for session_id in releases:
+                if owner.get(session_id) == api:
+                    del owner[session_id]
+        for session_id, samples in delivered:
+            self._runtime.note_delivered(session_id, samples)
+        for session_id in cancels:
+            self._runtime.cancel(session_id)
+        if delivered:
+            self._runtime.wake()
 
     def _api_gone(self, api: int) -> None:
         """API process `api` died: nobody reads its outputs any more. Its sessions are cancelled (their

@@ -266,7 +266,7 @@ class CoreTransport:
         self._flush_scheduled = False
         if not (self._delivered or self._cancels or self._releases) or self._calls is None or not self.up:
             return
-        message = wire.pack([wire.NOTES, list(self._delivered.items()), self._cancels, self._releases])
+        message = wire.pack([wire.NOTES, self._api, list(self._delivered.items()), self._cancels, self._releases])
         try:
             self._calls.send(message, zmq.NOBLOCK)
         except zmq.Again:

@@ -13,8 +13,10 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
     [CALL_TOKEN_LOG, seq, [session_id, ...]]
                                            answered: [seq, OK, [[session_id, frames, finish_reason], ...]]
                                            (a core started with record_tokens; otherwise an empty list)
-    [NOTES, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
-                                           not answered, batched per loop pass
+    [NOTES, api, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
+                                           not answered, batched per loop pass; they apply to the
+                                           sender's sessions only (a session id another API process
+                                           submitted since is not its to note)
     [FIGURES, api, {request and gateway counters}]   not answered: an API process's own counters, for the
                                            others' /v1/stats (server.api_processes > 1), sent when they change
     [API_GONE, api]                        not answered: API process `api` died; its sessions are cancelled

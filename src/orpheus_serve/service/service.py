@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -116,7 +117,7 @@ class TTSService:
         self.accepting = True
         if warmup:
             warm = SynthesisRequest(text="Hello.", voice=token_format.DEFAULT_VOICE, max_tokens=28, temperature=0.0,
-                                    request_id="warmup")
+                                    request_id=f"warmup-{os.getpid()}")  # one per API process
             async for _ in self._synthesize(warm, count=False):
                 pass
         self.ready = True
