@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +20,10 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from orpheus_serve import token_format as P
 from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from orpheus_serve.codec.sim import SimDecoder
-from orpheus_serve.codec.worker import CodecWorker
-from orpheus_serve.config import SchedulerConfig, SimConfig
+from orpheus_serve.config import SimConfig
 from orpheus_serve.core.engine_core import EngineCore
 from orpheus_serve.engines import sim_engine
 from orpheus_serve.engines.base import TokenEngine
@@ -37,10 +32,10 @@ from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.request.types import ModelInfo
-from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
 from orpheus_serve.scheduler.step import EngineDeadError, SamplingParams, StepOutput, StepPlan
 from orpheus_serve.service.build import assemble_service, load_tokenizer
+from tests.engine_core_support import Outcome, run_core, session_request
 from tests.gateway_support import check_openai_error, sim_config, stats
 
 SLOTS = 6
@@ -64,46 +59,12 @@ def make_engine(kind: str, tiny_orpheus: Path) -> TokenEngine:
 
 
 def session(rid: str, words: int, sampling: SamplingParams = GREEDY) -> SessionRequest:
-    prompt = (P.START_OF_HUMAN, P.BOS, *range(100 + words, 100 + 2 * words), *P.PROMPT_SUFFIX)
-    return SessionRequest(request_id=rid, prompt_ids=prompt, sampling=sampling, arrival_s=time.monotonic())
-
-
-@dataclass
-class Outcome:
-    frames: list[list[int]] = field(default_factory=list)
-    reason: str | None = None
-    error: str | None = None
+    return session_request(rid, words, sampling)
 
 
 def run(engine: TokenEngine, sessions: list[SessionRequest]) -> tuple[dict[str, Outcome], EngineCore]:
     """Every session submitted before the engine core starts, so they share every step; returns when all ended."""
-    scheduler = Scheduler(SchedulerConfig(max_concurrent_sessions=SLOTS, max_batch_size=SLOTS), engine.num_slots,
-                          max_seq_len=engine.max_seq_len)
-    outcomes = {s.request_id: Outcome() for s in sessions}
-    all_done = threading.Event()
-
-    def on_event(event: SchedulerEvent) -> None:
-        if isinstance(event, SessionFailed):
-            outcomes[event.request_id].error = event.error
-        elif isinstance(event, SessionFinished):
-            outcomes[event.request_id].reason = event.reason
-            if all(o.reason is not None for o in outcomes.values()):
-                all_done.set()
-
-    def on_frames(event: FramesReady) -> None:
-        outcomes[event.request_id].frames += event.frames.tolist()
-
-    codec = CodecWorker(SimDecoder(realtime=False), lambda result: None)
-    core = EngineCore(scheduler, engine, codec, on_event, on_frames=on_frames)
-    for s in sessions:
-        core.submit(s)
-    codec.start()
-    core.start()
-    try:
-        assert all_done.wait(120), {rid: o.reason for rid, o in outcomes.items()}
-    finally:
-        core.stop()
-        codec.stop(5.0)
+    outcomes, core, _ = run_core(engine, sessions, slots=SLOTS)
     return outcomes, core
 
 

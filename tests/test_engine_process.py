@@ -90,35 +90,59 @@ class DyingSimEngine:
         self.engine.close()
 
 
+
+class CoreOnSockets:
+    """EngineCoreProc on a thread here, spoken to over real ZeroMQ sockets as API processes speak to it."""
+
+    def __init__(self, config: Any, engine: Any, tmp_path: Path, api_processes: int = 1) -> None:
+        addresses = CoreAddresses(input=f"ipc://{tmp_path}/in",
+                                  outputs=tuple(f"ipc://{tmp_path}/out-{i}" for i in range(api_processes)))
+        self.ctx = zmq.Context()
+        self.outputs = [self.ctx.socket(zmq.PULL) for _ in addresses.outputs]
+        for sock, address in zip(self.outputs, addresses.outputs, strict=True):
+            sock.bind(address)
+        self.calls = self.ctx.socket(zmq.DEALER)
+        self.calls.connect(addresses.input)
+        self.runner = threading.Thread(target=EngineCoreProc(config, engine, SimDecoder(), "cpu", addresses).run,
+                                       daemon=True)
+        self.runner.start()
+        self._seq = iter(range(1, 1000))
+
+    def call(self, kind: int, *args: Any) -> list[Any]:
+        number = next(self._seq)
+        self.calls.send(wire.pack([kind, number, *args]))
+        assert self.calls.poll(10_000), "no answer from the core"
+        reply = wire.unpack(self.calls.recv())
+        assert reply[0] == number
+        return reply[1:]
+
+    def next_outputs(self, api: int = 0) -> list[tuple[str, Any]]:
+        assert self.outputs[api].poll(10_000), f"no output for API process {api}"
+        return [wire.decode_output(entry) for entry in wire.unpack(self.outputs[api].recv())]
+
+    def shutdown(self) -> None:
+        assert self.call(CALL_SHUTDOWN) == [wire.OK]
+        self.runner.join(10)
+        assert not self.runner.is_alive()
+
+    def close(self) -> None:
+        self.calls.close(0)
+        for sock in self.outputs:
+            sock.close(0)
+        self.ctx.term()
+
+
 def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_orpheus: Path, tmp_path: Path) -> None:
     """EngineCoreProc on a thread here, spoken to as an API process does: admission answers, audio to the
     submitting API process, and once the engine dies, a notice to every API process and refusals."""
     config = sim_config(tiny_orpheus, **SPLIT)
     engine = DyingSimEngine(SimEngine.from_config(config))
-    addresses = CoreAddresses(input=f"ipc://{tmp_path}/in", outputs=(f"ipc://{tmp_path}/out-0",))
-    ctx = zmq.Context()
-    outputs = ctx.socket(zmq.PULL)
-    outputs.bind(addresses.outputs[0])
-    calls = ctx.socket(zmq.DEALER)
-    calls.connect(addresses.input)
-    core = EngineCoreProc(config, engine, SimDecoder(), "cpu", addresses)
-    runner = threading.Thread(target=core.run, daemon=True)
-    runner.start()
-    seq = iter(range(1, 100))
-
-    def call(kind: int, *args: Any) -> list[Any]:
-        number = next(seq)
-        calls.send(wire.pack([kind, number, *args]))
-        assert calls.poll(10_000), "no answer from the core"
-        reply = wire.unpack(calls.recv())
-        assert reply[0] == number
-        return reply[1:]
-
+    core = CoreOnSockets(config, engine, tmp_path)
+    call = core.call
     engine_dead: list[wire.EngineDead] = []
 
     def next_outputs() -> list[tuple[str, Any]]:
-        assert outputs.poll(10_000), "no output from the core"
-        decoded = [wire.decode_output(entry) for entry in wire.unpack(outputs.recv())]
+        decoded = core.next_outputs()
         engine_dead.extend(item for item in decoded if isinstance(item, wire.EngineDead))
         return [item for item in decoded if not isinstance(item, wire.EngineDead)]
 
@@ -142,13 +166,9 @@ def test_the_core_process_side_over_real_sockets_and_an_engine_that_dies(tiny_or
         assert status == wire.UNAVAILABLE and "code 134" in message
         stats = wire.decode_stats(call(wire.CALL_STATS)[1])
         assert stats.engine_alive is False and stats.core_cpu_s > 0
-        assert call(CALL_SHUTDOWN) == [wire.OK]
-        runner.join(10)
-        assert not runner.is_alive()
+        core.shutdown()
     finally:
-        calls.close(0)
-        outputs.close(0)
-        ctx.term()
+        core.close()
 
 
 def test_notes_from_an_api_process_touch_only_its_own_sessions(tiny_orpheus: Path, tmp_path: Path) -> None:
@@ -156,33 +176,14 @@ def test_notes_from_an_api_process_touch_only_its_own_sessions(tiny_orpheus: Pat
     release (and a late cancel) for it arrives: those notes are process 1's, and must neither cancel process
     0's session nor take its outputs away (process 0 would wait for them forever)."""
     config = sim_config(tiny_orpheus, **SPLIT)
-    addresses = CoreAddresses(input=f"ipc://{tmp_path}/in", outputs=(f"ipc://{tmp_path}/out-0",
-                                                                    f"ipc://{tmp_path}/out-1"))
-    ctx = zmq.Context()
-    outputs = [ctx.socket(zmq.PULL) for _ in addresses.outputs]
-    for sock, address in zip(outputs, addresses.outputs, strict=True):
-        sock.bind(address)
-    calls = ctx.socket(zmq.DEALER)
-    calls.connect(addresses.input)
-    core = EngineCoreProc(config, SimEngine.from_config(config), SimDecoder(), "cpu", addresses)
-    runner = threading.Thread(target=core.run, daemon=True)
-    runner.start()
-    seq = iter(range(1, 100))
-
-    def call(kind: int, *args: Any) -> list[Any]:
-        number = next(seq)
-        calls.send(wire.pack([kind, number, *args]))
-        assert calls.poll(10_000), "no answer from the core"
-        reply = wire.unpack(calls.recv())
-        assert reply[0] == number
-        return reply[1:]
+    core = CoreOnSockets(config, SimEngine.from_config(config), tmp_path, api_processes=2)
+    call = core.call
 
     def until_done(api: int) -> tuple[bytes, list[Outcome]]:
         """The session's audio and outcomes (generation's, then the codec's) on API process `api`'s socket."""
         pcm, outcomes = b"", []
         while Outcome.AUDIO not in outcomes and not {Outcome.ERROR, Outcome.CANCELLED} & set(outcomes):
-            assert outputs[api].poll(10_000), f"no output for API process {api}"
-            for session, item in (wire.decode_output(e) for e in wire.unpack(outputs[api].recv())):
+            for session, item in core.next_outputs(api):
                 assert session == "same-id"
                 if isinstance(item, SessionDone):
                     outcomes.append(item.outcome)
@@ -197,16 +198,12 @@ def test_notes_from_an_api_process_touch_only_its_own_sessions(tiny_orpheus: Pat
         first_pcm, first = until_done(1)
         assert first[-1] is Outcome.AUDIO and Outcome.CANCELLED not in first and first_pcm
         assert call(wire.CALL_SUBMIT, 0, request) == [wire.OK]  # the id is free again: process 0 takes it
-        calls.send(wire.pack([wire.NOTES, 1, [], ["same-id"], ["same-id"]]))  # process 1's late cancel, release
+        core.calls.send(wire.pack([wire.NOTES, 1, [], ["same-id"], ["same-id"]]))  # process 1's late cancel, release
         pcm, done = until_done(0)
         assert done == first and pcm == first_pcm  # the same seeded session, whole
-        assert call(CALL_SHUTDOWN) == [wire.OK]
-        runner.join(10)
+        core.shutdown()
     finally:
-        calls.close(0)
-        for sock in outputs:
-            sock.close(0)
-        ctx.term()
+        core.close()
 
 
 def test_more_than_one_api_process_needs_the_engine_core_process() -> None:

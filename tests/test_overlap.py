@@ -9,24 +9,20 @@ next); a step that raises at launch fails only its culprit; and the host work of
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from orpheus_serve import token_format as P
-from orpheus_serve.codec.sim import SimDecoder
-from orpheus_serve.codec.worker import CodecWorker
 from orpheus_serve.config import SchedulerConfig, SimConfig
 from orpheus_serve.core.engine_core import EngineCore
-from orpheus_serve.engines.base import PipelinedEngine, TokenEngine
+from orpheus_serve.engines.base import TokenEngine
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.engines.torch_engine import TorchEngine
-from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFailed, SessionFinished
+from orpheus_serve.scheduler import FramesReady, Scheduler, SchedulerEvent, SessionFinished
 from orpheus_serve.scheduler.session import SessionRequest
 from orpheus_serve.scheduler.step import SamplingParams, StepOutput, StepPlan
+from tests.engine_core_support import Outcome, run_core, session_request
 from tests.test_engine_faults import poison_torch_decode
 
 SLOTS = 6
@@ -49,50 +45,12 @@ def sim_engine(end_after_frames: int | None = 3, **cost: float | bool) -> SimEng
 
 
 def request(rid: str, words: int, max_tokens: int = 70, temperature: float = 0.0) -> SessionRequest:
-    prompt = (P.START_OF_HUMAN, P.BOS, *range(100 + words, 100 + 2 * words), *P.PROMPT_SUFFIX)
-    return SessionRequest(request_id=rid, prompt_ids=prompt, arrival_s=time.monotonic(),
-                          sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=7))
-
-
-@dataclass
-class Outcome:
-    frames: list[list[int]] = field(default_factory=list)
-    reason: str | None = None
-    error: str | None = None
+    return session_request(rid, words, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=7))
 
 
 def run(engine: TokenEngine, sessions: list[SessionRequest], *, overlap: bool, scheduler: Scheduler | None = None,
         slots: int = SLOTS) -> tuple[dict[str, Outcome], EngineCore, Scheduler]:
-    """Every session submitted before the engine core starts; returns once all have ended."""
-    scheduler = scheduler or Scheduler(SchedulerConfig(max_concurrent_sessions=slots, max_batch_size=slots),
-                                       engine.num_slots, max_seq_len=engine.max_seq_len)
-    outcomes = {s.request_id: Outcome() for s in sessions}
-    all_done = threading.Event()
-
-    def on_event(event: SchedulerEvent) -> None:
-        if isinstance(event, SessionFailed):
-            outcomes[event.request_id].error = event.error
-        elif isinstance(event, SessionFinished):
-            outcomes[event.request_id].reason = event.reason
-            if all(o.reason is not None for o in outcomes.values()):
-                all_done.set()
-
-    def on_frames(event: FramesReady) -> None:
-        outcomes[event.request_id].frames += event.frames.tolist()
-
-    codec = CodecWorker(SimDecoder(realtime=False), lambda result: None)
-    core = EngineCore(scheduler, engine, codec, on_event, on_frames=on_frames, overlap=overlap)
-    assert core.overlapped is (overlap and isinstance(engine, PipelinedEngine))
-    for s in sessions:
-        core.submit(s)
-    codec.start()
-    core.start()
-    try:
-        assert all_done.wait(120), {rid: o.reason for rid, o in outcomes.items()}
-    finally:
-        core.stop()
-        codec.stop(5.0)
-    return outcomes, core, scheduler
+    return run_core(engine, sessions, overlap=overlap, scheduler=scheduler, slots=slots)
 
 
 def mixed_sessions() -> list[SessionRequest]:

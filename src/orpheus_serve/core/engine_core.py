@@ -178,23 +178,11 @@ class EngineCore:
         if self._pipelined is not None:
             self._run_overlapped(self._pipelined)
             return
-        while True:
-            with self._cond:
-                while not self._stopping and not self._scheduler.has_work:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                seen = self._wakeups
+        while (seen := self._await_work()) is not None:
             period_start = time.perf_counter()
             plan = self._scheduler.schedule()
             if plan.empty:
-                events = self._scheduler.drain_events()
-                if events:
-                    self._dispatch(events)
-                else:
-                    with self._cond:
-                        if self._wakeups == seen and not self._stopping:
-                            self._cond.wait(self._idle_tick_s)
+                self._idle(seen)
                 continue
 
             t0 = time.perf_counter()
@@ -210,27 +198,15 @@ class EngineCore:
     def _run_overlapped(self, engine: PipelinedEngine) -> None:
         """The loop with one step in flight: plan and launch N+1, then read N back (module docstring)."""
         inflight: _Launched | None = None
-        while True:
-            with self._cond:
-                while not self._stopping and inflight is None and not self._scheduler.has_work:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                seen = self._wakeups
+        while (seen := self._await_work(step_in_flight=inflight is not None)) is not None:
             planned_at = time.perf_counter()
             plan = self._scheduler.schedule()
             if plan.empty:
                 if inflight is not None:
                     self._read_back(engine, inflight)
                     inflight = None
-                    continue
-                events = self._scheduler.drain_events()
-                if events:
-                    self._dispatch(events)
                 else:
-                    with self._cond:
-                        if self._wakeups == seen and not self._stopping:
-                            self._cond.wait(self._idle_tick_s)
+                    self._idle(seen)
                 continue
             launched = self._launch(engine, plan, planned_at)
             if inflight is not None:
@@ -239,6 +215,23 @@ class EngineCore:
             if launched.handle is None:  # refused at launch: run it on its own, isolating the culprits
                 self._read_back(engine, launched)
                 inflight = None
+
+    def _await_work(self, step_in_flight: bool = False) -> int | None:
+        """Block until the scheduler has work (or a step is in flight); the wake-up count seen, None: stop."""
+        with self._cond:
+            while not self._stopping and not step_in_flight and not self._scheduler.has_work:
+                self._cond.wait()
+            return None if self._stopping else self._wakeups
+
+    def _idle(self, seen: int) -> None:
+        """An empty plan: dispatch what the scheduler has to tell, else wait for a wake-up or the idle tick."""
+        events = self._scheduler.drain_events()
+        if events:
+            self._dispatch(events)
+            return
+        with self._cond:
+            if self._wakeups == seen and not self._stopping:
+                self._cond.wait(self._idle_tick_s)
 
     def _launch(self, engine: PipelinedEngine, plan: StepPlan, planned_at: float) -> _Launched:
         if self.engine_failure is not None:
