@@ -461,16 +461,69 @@ def test_soak_with_the_stateful_decoder_releases_every_session(tiny_models: Path
 
 # ------------------------------------------------------------------ leak slope (scripts/test.sh --all)
 # The RSS check above allows tens of kilobytes a request at CI size. This one runs thousands of requests in
-# batches and fits a line through the server's RSS (API and engine-core processes) after each settled
-# batch: a leak of a kilobyte a request shows as a slope, whatever the allocator's one-off growth.
+# batches and fits a line through the server's RSS (API and engine-core processes) after each settled batch.
+#
+# A leak grows with every batch; the allocator does not. glibc gives threads their own arenas (64 MiB heaps)
+# when they meet on its lock, so a thread that allocates tensors (the codec worker) may touch a fresh heap at
+# any point of the run and keep it: measured, two runs of the same code held 70 and 99 MB in thread arenas in
+# the engine-core process, and one run's RSS stepped once by 72 MB midway and stayed flat after. The fit
+# therefore allows one level shift (a step between two batches, bounded by LEAK_STEP_MB): a steady slope,
+# which a step cannot absorb, is what fails.
 
 LEAK_REQUESTS = int(os.environ.get("ORPHEUS_LEAK_REQUESTS", "2000"))
 LEAK_BATCHES = 8
 LEAK_KIB_PER_REQUEST = 1.0
+LEAK_STEP_MB = 96.0  # at most one arena heap (64 MiB) and what its neighbours touch
 
 
-def _leak_slope_kib(server: LaunchedServer, total: int, seed: int) -> tuple[float, list[tuple[int, float]]]:
-    """KiB of RSS per request over `total` requests after a warm-up batch, and the (requests, MB) points."""
+@dataclass(frozen=True)
+class LeakFit:
+    kib_per_request: float  # the slope, with the step (if any) taken out
+    step_mb: float  # the one level shift the fit allowed (0.0: none)
+    step_after: int | None  # the step lies between this many requests and the next point
+
+
+def fit_leak(points: list[tuple[int, float]]) -> LeakFit:
+    """Least squares of RSS = a + slope * requests + step * [requests >= x_k], over every k and no step;
+    the model with the smallest residual wins. A pure ramp keeps its whole slope (the step cannot explain
+    it), a pure step keeps none of it."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    best = LeakFit(0.0, 0.0, None)
+    best_residual = np.inf
+    for k in [None, *range(2, len(points) - 1)]:  # a step needs two points on each side to be told from noise
+        columns = [np.ones_like(x), x] + ([(x >= x[k]).astype(float)] if k is not None else [])
+        design = np.stack(columns, axis=1)
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        residual = float(np.sum((design @ coef - y) ** 2))
+        # A step must explain clearly more than noise to be taken: 1 MB^2 per point less residual.
+        residual += len(points) if k is not None else 0.0
+        if residual < best_residual:
+            best_residual = residual
+            best = LeakFit(float(coef[1]) * 1024, float(coef[2]) if k is not None else 0.0,
+                           int(x[k - 1]) if k is not None else None)
+    return best
+
+
+def test_the_leak_fit_tells_a_step_from_a_slope() -> None:
+    rng = np.random.default_rng(0)
+    requests = [i * 250 for i in range(9)]
+    noise = rng.normal(0.0, 0.8, size=9)  # MB: what settled RSS readings of the same server vary by
+    ramp = [(n, 800.0 + 2.0 * n / 1024 + e) for n, e in zip(requests, noise, strict=True)]  # 2 KiB/request
+    fit = fit_leak(ramp)
+    assert 1.5 < fit.kib_per_request < 2.5, fit
+    step = [(n, 845.0 + (72.0 if n >= 1000 else 0.0) + e) for n, e in zip(requests, noise, strict=True)]
+    fit = fit_leak(step)
+    assert abs(fit.kib_per_request) < 1.0 and 60 < fit.step_mb < 84 and fit.step_after == 750, fit
+    both = [(n, y + 2.0 * n / 1024) for n, y in step]  # a step does not hide a slope
+    assert 1.5 < fit_leak(both).kib_per_request < 2.5
+    flat = [(n, 900.0 + e) for n, e in zip(requests, noise, strict=True)]
+    fit = fit_leak(flat)
+    assert abs(fit.kib_per_request) < 1.0 and abs(fit.step_mb) < 3.0, fit
+
+
+def _leak_points(server: LaunchedServer, total: int, seed: int) -> list[tuple[int, float]]:
+    """The server's settled RSS (MB) after a warm-up batch and after each of LEAK_BATCHES batches."""
     batch = max(1, total // LEAK_BATCHES)
     warm = Driver(server)
     asyncio.run(warm.run(make_plans(batch, seed - 1)))
@@ -484,9 +537,7 @@ def _leak_slope_kib(server: LaunchedServer, total: int, seed: int) -> tuple[floa
         after = _settled(server)
         assert after["kv_cache"]["used_slots"] == 0 and not after["codec"]["decoder_sessions"], after["codec"]
         points.append(((k + 1) * batch, _server_rss_mb(server)))
-    x, y = np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points])
-    slope_mb_per_request = float(np.polyfit(x, y, 1)[0])
-    return slope_mb_per_request * 1024, points
+    return points
 
 
 @pytest.mark.leak
@@ -495,6 +546,9 @@ def _leak_slope_kib(server: LaunchedServer, total: int, seed: int) -> tuple[floa
 def test_no_memory_grows_with_the_number_of_requests(tiny_models: Path, tmp_path: Path, decoder: str) -> None:
     overrides = [*_overrides(tiny_models, decoder), "scheduler.queue_timeout_s=55"]
     with LaunchedServer(overrides, log_path=tmp_path / "server.log") as server:
-        slope_kib, points = _leak_slope_kib(server, LEAK_REQUESTS, seed=56)
-    print(f"\nleak {decoder}: {slope_kib:.2f} KiB/request over {points[-1][0]} requests; RSS MB {points}")
-    assert slope_kib < LEAK_KIB_PER_REQUEST, (slope_kib, points)
+        points = _leak_points(server, LEAK_REQUESTS, seed=56)
+    fit = fit_leak(points)
+    print(f"\nleak {decoder}: {fit.kib_per_request:.2f} KiB/request over {points[-1][0]} requests, "
+          f"step {fit.step_mb:.1f} MB after {fit.step_after}; RSS MB {points}")
+    assert fit.kib_per_request < LEAK_KIB_PER_REQUEST, (fit, points)
+    assert fit.step_mb < LEAK_STEP_MB, (fit, points)
