@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import torch
 import zmq
 from websockets.asyncio.client import connect as ws_connect
 
@@ -31,12 +32,15 @@ from orpheus_serve.core import wire
 from orpheus_serve.core.client import Outcome, SessionDone
 from orpheus_serve.core.process import EngineCoreProc
 from orpheus_serve.core.wire import CALL_SHUTDOWN, CoreAddresses
+from orpheus_serve.engines.llama import LlamaConfig
+from orpheus_serve.engines.lora import LoraAdapter, LoraManager
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from orpheus_serve.scheduler import SessionRequest
 from orpheus_serve.scheduler.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
 from orpheus_serve.service.build import build_service
+from orpheus_serve.weights.tiny import write_lora_adapters
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
 
 SPLIT = {"server.engine_process": True}
@@ -201,6 +205,76 @@ def test_notes_from_an_api_process_touch_only_its_own_sessions(tiny_orpheus: Pat
         core.calls.send(wire.pack([wire.NOTES, 1, [], ["same-id"], ["same-id"]]))  # process 1's late cancel, release
         pcm, done = until_done(0)
         assert done == first and pcm == first_pcm  # the same seeded session, whole
+        core.shutdown()
+    finally:
+        core.close()
+
+
+class SlowDiskLora(LoraManager):
+    """The real adapter manager over real adapter files, on a stand-in for a slow disk (a network volume):
+    every read waits until the test lets it go."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.disk_ready = threading.Event()
+        self.reading = threading.Event()
+
+    def read(self, name: str) -> LoraAdapter:
+        self.reading.set()
+        assert self.disk_ready.wait(30), "the test never let the read finish"
+        return super().read(name)
+
+
+class SimEngineWithAdapters(SimEngine):
+    lora: SlowDiskLora
+
+
+def test_reading_an_adapter_holds_neither_submits_nor_notes(tiny_orpheus: Path, tmp_path: Path) -> None:
+    """An adapter load (admin) and a custom voice's read before its submit run on the core's file thread:
+    while the disk is slow, other sessions are admitted and stream, stats are answered, and the load's
+    answer comes when the read is done. Before, the input thread read the files itself, so every submit and
+    delivery note waited for the disk (and past server.core_call_timeout_s the core was declared silent)."""
+    write_lora_adapters(tmp_path / "voices", tiny_orpheus, 1, seed=1)
+    config = sim_config(tiny_orpheus, **SPLIT)
+    engine = SimEngineWithAdapters.from_config(config)
+    engine.lora = SlowDiskLora(LlamaConfig.from_folder(tiny_orpheus), adapters_dir=tmp_path / "voices", max_loras=2,
+                               max_rank=8, dtype=torch.float32, device="cpu")
+    core = CoreOnSockets(config, engine, tmp_path)
+
+    def request(request_id: str, adapter: str | None = None) -> list[Any]:
+        return wire.encode_request(SessionRequest(request_id, (128259, 128000, 42, 128257),
+                                                  SamplingParams(max_tokens=140, seed=1), time.monotonic(),
+                                                  adapter=adapter))
+
+    try:
+        core.calls.send(wire.pack([wire.CALL_ADAPTERS, 900, "load", "voice0"]))
+        assert engine.lora.reading.wait(10)
+        # The disk is still busy: the input thread answers, and a session streams to its end.
+        assert wire.decode_stats(core.call(wire.CALL_STATS)[1]).engine_alive
+        assert core.call(wire.CALL_SUBMIT, 0, request("plain")) == [wire.OK]
+        pcm, done = b"", None
+        while done is None:
+            for session, item in core.next_outputs():
+                assert session == "plain"
+                if isinstance(item, SessionDone) and item.outcome is Outcome.AUDIO:
+                    done = item
+                elif isinstance(item, bytes):
+                    pcm += item
+        assert pcm and not engine.lora.disk_ready.is_set()
+        # Queued behind the load, in order: a custom voice's read, and one for a voice that does not exist.
+        core.calls.send(wire.pack([wire.CALL_PREFETCH, 901, "voice0"]))
+        core.calls.send(wire.pack([wire.CALL_PREFETCH, 902, "nobody"]))
+        engine.lora.disk_ready.set()
+        replies = []
+        while len(replies) < 3:
+            assert core.calls.poll(10_000), "no answer to the file calls"
+            replies.append(wire.unpack(core.calls.recv()))
+        (load_seq, load_status, statuses), prefetched, refused = replies
+        assert (load_seq, load_status) == (900, wire.OK) and statuses[0]["state"] == "loaded"
+        assert prefetched == [901, wire.OK, None]
+        assert refused[:2] == [902, wire.INVALID] and "no adapter named 'nobody'" in refused[2]
+        # The custom voice's session is answered at once: its adapter is staged.
+        assert core.call(wire.CALL_SUBMIT, 0, request("custom", adapter="voice0")) == [wire.OK]
         core.shutdown()
     finally:
         core.close()

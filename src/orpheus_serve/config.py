@@ -223,6 +223,10 @@ class VoicesConfig(_Strict):
     adapters_dir: str | None = None
     max_loras: int = Field(8, ge=1, le=1024)  # adapters in the device pool at once (LRU over the folder)
     max_lora_rank: int = Field(64, ge=1, le=1024)  # the pool's rank; an adapter of a higher rank is refused
+    # Longest wait for an adapter's files to be read and checked (an admin load, a voice's first session since
+    # it left the pool); past it that call fails with 503 and the engine core goes on (its other calls are
+    # answered meanwhile: the files are read on a thread of their own).
+    read_timeout_s: float = Field(60.0, gt=0)
 
 
 class ProfileConfig(_Strict):

@@ -49,7 +49,8 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
                          "or this engine has no adapter pool (custom voices off, or the TensorRT-LLM backend)."},
     401: {"description": "Missing or wrong API key."},
     403: {"description": "The server has no `server.api_keys`: the admin endpoints are off."},
-    503: {"description": "The engine core is not answering."},
+    503: {"description": "The engine core is not answering, has too many adapter reads queued, or did not read the "
+                          "adapter within voices.read_timeout_s."},
 }
 
 

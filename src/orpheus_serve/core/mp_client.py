@@ -296,6 +296,8 @@ class MPClient:
 
     async def _submit(self, request: SessionRequest) -> None:
         session_id = request.request_id
+        if request.adapter is not None:  # its files are read on the core's file thread, not its input thread
+            await self._transport.prefetch(request.adapter, self._config.voices.read_timeout_s)
         # The mailbox comes first: the output handler may read the session's first outputs before this
         # coroutine sees the core's answer. (An id in use keeps its mailbox: the core refuses the request.)
         fresh = session_id not in self._mailboxes
@@ -353,7 +355,7 @@ class MPClient:
             return self.recent_stats(str(exc))
 
     async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
-        return await self._transport.adapters(op, name)
+        return await self._transport.adapters(op, name, self._config.voices.read_timeout_s)
 
     def recent_stats(self, failure: str | None = None) -> EngineCoreStats:
         """The core's snapshot as of at most _RECENT_STATS_S ago, never waiting for it (the loop's per-request

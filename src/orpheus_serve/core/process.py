@@ -13,6 +13,10 @@ and the codec worker thread) with ZeroMQ in place of the event loop:
                            notes:  delivered samples, cancels, releases (batched by the sender)
                            figures: each API process's request counters, kept for the stats answer
                            api gone: an API process died: its sessions are cancelled, its outputs dropped
+    file thread:           adapter loads and a custom voice's read before its submit (wire.FILE_CALLS):
+                           reading an adapter takes as long as the disk does, and the input thread's
+                           submits and delivery notes (which every playing stream waits on) must not
+                           wait for it; answered through the input thread when done
     engine core thread:    schedule -> engine.step -> update   (never touches a socket)
     codec worker thread:   batched decode -> PCM16
     output thread:         outputs of both -> one msgpack batch per wake-up -> PUSH to the owning API process
@@ -31,9 +35,11 @@ first and then tells it to stop. It exits by itself when that process dies
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -116,15 +122,18 @@ class EngineCoreProc:
         self._stopping = False
         self._engine_dead_sent = False
         self._sender = threading.Thread(target=self._send_outputs, name="core-output", daemon=True)
+        self._files = _FileCalls(self._ctx, self._runtime, f"inproc://core-file-replies-{id(self)}")
 
     # ------------------------------------------------------------------ main thread
 
     def run(self) -> None:
         self._runtime.start()
         self._sender.start()
+        self._files.start()
         parent = multiprocessing.parent_process()
         poller = zmq.Poller()
         poller.register(self._input, zmq.POLLIN)
+        poller.register(self._files.replies, zmq.POLLIN)
         if parent is not None:
             poller.register(parent.sentinel, zmq.POLLIN)
         try:
@@ -133,6 +142,9 @@ class EngineCoreProc:
                 if parent is not None and parent.sentinel in events:
                     log.error("the API process is gone; stopping the engine core")
                     return
+                if self._files.replies in events:
+                    for identity, reply in self._files.take_replies():
+                        self._reply(identity, reply)
                 if self._input not in events:
                     continue
                 # Everything queued now, without waiting in between.
@@ -170,13 +182,10 @@ class EngineCoreProc:
             stats = self._runtime.stats(core_cpu_s=time.process_time())
             self._reply(identity, [seq, wire.OK, wire.encode_stats(stats), list(self._figures.items())])
             return False
-        if kind == wire.CALL_ADAPTERS:
-            # A load reads and checks the adapter's files here, on the input thread, not the engine's: other
-            # calls wait for it (milliseconds for small adapters), running steps do not.
-            try:
-                self._reply(identity, [seq, wire.OK, self._runtime.adapters(message[2], message[3])])
-            except AdapterError as exc:
-                self._reply(identity, [seq, wire.INVALID, str(exc)])
+        if kind in wire.FILE_CALLS:
+            if not self._files.put(identity, message):
+                self._reply(identity, [seq, wire.FULL, f"the engine core has {_FILE_CALLS_QUEUED} adapter reads "
+                                                       "queued already; try again shortly"])
             return False
         if kind == wire.CALL_TOKEN_LOG:
             entries = self._frame_log.read(message[2]) if self._frame_log is not None else {}
@@ -259,6 +268,7 @@ class EngineCoreProc:
         """Stop the engine core and codec, then the output thread once it has sent what they left."""
         if self._stopping:
             return
+        self._files.stop()
         self._runtime.shutdown()
         with self._cond:
             self._stopping = True
@@ -269,6 +279,10 @@ class EngineCoreProc:
         if self._sender.is_alive():
             log.error("the output thread is stuck sending to an API process that does not read; leaving it")
             return
+        if self._files.alive:
+            log.error("the file thread is stuck reading an adapter; leaving it")
+            return
+        self._files.replies.close(0)
         self._input.close(0)
         for out in self._outputs:
             if out is not None:
@@ -333,3 +347,75 @@ class EngineCoreProc:
                 out.send(wire.pack(batch))
             if stopping:
                 return
+
+
+_FILE_CALLS_QUEUED = 64  # file calls waiting for the file thread at most; more are refused (FULL)
+
+
+class _FileCalls:
+    """The engine-core process's file thread: wire.FILE_CALLS run here one at a time, in arrival order, and
+    their answers go back to the input thread over an inproc socket (a ZeroMQ socket has one user; the
+    input thread's ROUTER sends them on)."""
+
+    def __init__(self, ctx: zmq.Context, runtime: CoreRuntime, address: str) -> None:
+        self._runtime = runtime
+        self._calls: queue.Queue[tuple[bytes, list[Any]] | None] = queue.Queue(maxsize=_FILE_CALLS_QUEUED)
+        self.replies = ctx.socket(zmq.PULL)  # the input thread's
+        self.replies.setsockopt(zmq.LINGER, 0)
+        self.replies.bind(address)
+        self._push = ctx.socket(zmq.PUSH)  # the file thread's alone, from its start
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(address)
+        self._thread = threading.Thread(target=self._run, name="core-files", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, identity: bytes, message: list[Any]) -> bool:
+        """Queue one call from the input thread; False when too many are queued."""
+        try:
+            self._calls.put_nowait((identity, message))
+        except queue.Full:
+            return False
+        return True
+
+    def take_replies(self) -> list[tuple[bytes, list[Any]]]:
+        """The answers ready now (input thread)."""
+        replies = []
+        while True:
+            try:
+                identity, payload = self.replies.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return replies
+            replies.append((identity, wire.unpack(payload)))
+
+    def stop(self) -> None:
+        """Let the call being run finish (a read cannot be interrupted) and drop the rest."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._calls.get_nowait()
+        self._calls.put(None)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        try:
+            while (call := self._calls.get()) is not None:
+                identity, message = call
+                self._push.send_multipart([identity, wire.pack(self._answer(message))])
+        finally:
+            self._push.close(0)
+
+    def _answer(self, message: list[Any]) -> list[Any]:
+        kind, seq = message[0], message[1]
+        try:
+            if kind == wire.CALL_PREFETCH:
+                self._runtime.prefetch_adapter(message[2])
+                return [seq, wire.OK, None]
+            return [seq, wire.OK, self._runtime.adapters(message[2], message[3])]
+        except (AdapterError, InvalidSessionError) as exc:
+            return [seq, wire.INVALID, str(exc)]

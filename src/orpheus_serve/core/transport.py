@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from ..engines.lora import AdapterError
 from ..request.errors import ServiceUnavailableError
+from ..scheduler import InvalidSessionError, SchedulerFullError
 from . import wire
 from .frame_log import FrameEntries
 from .wire import CoreAddresses
@@ -174,22 +175,37 @@ class CoreTransport:
                 take(await self.acall(kind))
                 self.polled_s = time.monotonic()
 
-    async def adapters(self, op: str, name: str | None) -> list[dict[str, Any]]:
+    async def adapters(self, op: str, name: str | None, timeout_s: float) -> list[dict[str, Any]]:
         """The core's custom-voice adapters (engines/lora.adapter_call); AdapterError with the reason."""
-        status, detail = await self.acall(wire.CALL_ADAPTERS, op, name)
+        status, detail = await self.acall(wire.CALL_ADAPTERS, op, name, timeout_s=timeout_s, slow_ok=True)
+        if status == wire.FULL:
+            raise ServiceUnavailableError(detail)
         if status != wire.OK:
             raise AdapterError(detail)
         return detail
+
+    async def prefetch(self, adapter: str, timeout_s: float) -> None:
+        """Have the core read and check a custom voice's adapter before its session is submitted, on the
+        core's file thread: the submit that follows finds it staged and is answered at once.
+        InvalidSessionError (param voice) if the adapter is refused, SchedulerFullError if the core's file
+        thread has too much queued."""
+        status, detail = await self.acall(wire.CALL_PREFETCH, adapter, timeout_s=timeout_s, slow_ok=True)
+        if status == wire.INVALID:
+            raise InvalidSessionError(detail, param="voice")
+        if status == wire.FULL:
+            raise SchedulerFullError(detail, retry_after_s=1.0)
 
     def token_frames(self, session_ids: list[str]) -> FrameEntries:
         """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens)."""
         return {sid: (frames, reason) for sid, frames, reason in
                 self.call_from_any_thread(wire.CALL_TOKEN_LOG, session_ids)[1]}
 
-    async def acall(self, kind: int, *args: Any) -> list[Any]:
-        """`call` without blocking the loop: the answer resolves a future (`_take_replies`)."""
+    async def acall(self, kind: int, *args: Any, timeout_s: float | None = None, slow_ok: bool = False) -> list[Any]:
+        """`call` without blocking the loop: the answer resolves a future (`_take_replies`). `slow_ok`: a call
+        the core answers when its work is done (wire.FILE_CALLS), so no answer within `timeout_s` fails this
+        call only and does not count as the core's silence."""
         assert self._calls is not None and self._loop is not None
-        timeout = self.timeout_s
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         seq = self._send_call(kind, args)
         future = self._replies[seq] = self._loop.create_future()
         deadline = time.monotonic() + timeout
@@ -198,6 +214,8 @@ class CoreTransport:
                 self._take_replies()  # an answer that came before the loop looked at the socket again
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if slow_ok:
+                        raise ServiceUnavailableError(f"the engine core did not finish this within {timeout:g} s")
                     raise self._unanswered(timeout)
                 try:
                     # Bounded waits: the process's death is noticed even if no answer ever comes.

@@ -49,8 +49,10 @@ FIGURES = 5
 API_GONE = 6
 LOOP_LAG = 7
 ENGINE_DEAD = 8  # an output entry no session owns (session ids are strings)
-CALL_ADAPTERS = 9  # [kind, seq, op, name] -> [seq, OK, [status, ...]] | [seq, INVALID, reason]
+CALL_ADAPTERS = 9  # [kind, seq, op, name] -> [seq, OK, [status, ...]] | [seq, INVALID | FULL, reason]
 CALL_TOKEN_LOG = 10
+CALL_PREFETCH = 11  # [kind, seq, adapter] -> [seq, OK, None] | [seq, INVALID | FULL, reason]: before a submit
+FILE_CALLS = (CALL_ADAPTERS, CALL_PREFETCH)  # answered from the core's file thread, in order, not at once
 
 OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s
