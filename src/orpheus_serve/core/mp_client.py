@@ -64,7 +64,7 @@ from typing import Any
 
 from ..config import Config
 from ..request.errors import ServiceUnavailableError
-from ..scheduler import InvalidSessionError, SchedulerFullError, SessionRequest
+from ..scheduler import SessionRequest
 from . import wire
 from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
 from .frame_log import FrameEntries
@@ -317,13 +317,9 @@ class MPClient:
             return
         if fresh:
             self._mailboxes.pop(session_id, None)
-        message, extra = detail
-        if status == wire.FULL:
-            raise SchedulerFullError(message, retry_after_s=extra)
-        if status == wire.INVALID:
-            raise InvalidSessionError(message, param=extra)
-        self._engine_failure = message
-        raise ServiceUnavailableError(message)
+        if status == wire.UNAVAILABLE:
+            self._engine_failure = detail[0]
+        raise wire.refusal_error(status, *detail)
 
     def outputs(self, session_id: str) -> asyncio.Queue[SessionOutput]:
         return self._mailboxes[session_id]

@@ -37,7 +37,8 @@ from typing import Any
 import msgpack
 
 from ..engines.base import MemoryReport
-from ..scheduler import FlowStats, SchedulerStats, SessionRequest
+from ..request.errors import ServiceUnavailableError
+from ..scheduler import FlowStats, InvalidSessionError, SchedulerFullError, SchedulerStats, SessionRequest
 from ..scheduler.step import SamplingParams
 from .client import EngineCoreStats, Outcome, SessionDone, SessionOutput
 
@@ -58,6 +59,15 @@ OK = 0
 FULL = 1  # SchedulerFullError: extra is retry_after_s
 INVALID = 2  # InvalidSessionError: extra is the parameter at fault
 UNAVAILABLE = 3  # the engine is dead: ServiceUnavailableError
+
+
+def refusal_error(status: int, message: str, extra: Any = None) -> Exception:
+    """The exception a refused CALL_SUBMIT stands for (the statuses above)."""
+    if status == FULL:
+        return SchedulerFullError(message, retry_after_s=extra)
+    if status == INVALID:
+        return InvalidSessionError(message, param=extra)
+    return ServiceUnavailableError(message)
 
 # Bounded queues on every socket (messages, not bytes): a batch of outputs is one message.
 SOCKET_HWM = 1000
