@@ -101,6 +101,9 @@ def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
 # session at once, and its end goes out with the next step's output; with a step in flight (engine.overlap)
 # that output may be one step later.
 STEPS_AFTER_SERVER_CANCEL = 3
+# From the client's interruption: the way to the server (the client library's own tasks, the socket, the
+# gateway on a shared CPU) has measured up to 4 steps more.
+STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 4
 
 
 def before_cancel(server: ServerThread, protocol: str = "cartesia") -> tuple[int, int]:
