@@ -99,7 +99,8 @@ class MPClient:
                 outputs=tuple(f"ipc://{self._dir}/output-{i}" for i in range(config.server.api_processes)))
         self._addresses = addresses
         self._supervisor = CoreSupervisor(config, addresses, record_tokens=record_tokens) if owner else None
-        self._transport = CoreTransport(addresses, api_index, self._timeout_s, core_running=self._core_running,
+        self._transport = CoreTransport(addresses, api_index, self._timeout_s,
+                                        file_timeout_s=config.voices.read_timeout_s, core_running=self._core_running,
                                         on_silence=self._on_silence)
         self.info: CoreInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -297,7 +298,7 @@ class MPClient:
     async def _submit(self, request: SessionRequest) -> None:
         session_id = request.request_id
         if request.adapter is not None:  # its files are read on the core's file thread, not its input thread
-            await self._transport.prefetch(request.adapter, self._config.voices.read_timeout_s)
+            await self._transport.prefetch(request.adapter)
         # The mailbox comes first: the output handler may read the session's first outputs before this
         # coroutine sees the core's answer. (An id in use keeps its mailbox: the core refuses the request.)
         fresh = session_id not in self._mailboxes
@@ -351,7 +352,7 @@ class MPClient:
             return self.recent_stats(str(exc))
 
     async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
-        return await self._transport.adapters(op, name, self._config.voices.read_timeout_s)
+        return await self._transport.adapters(op, name)
 
     def recent_stats(self, failure: str | None = None) -> EngineCoreStats:
         """The core's snapshot as of at most _RECENT_STATS_S ago, never waiting for it (the loop's per-request

@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class CoreTransport:
-    def __init__(self, addresses: CoreAddresses, api_index: int, timeout_s: float, *,
+    def __init__(self, addresses: CoreAddresses, api_index: int, timeout_s: float, *, file_timeout_s: float,
                  core_running: Callable[[], bool], on_silence: Callable[[str], None]) -> None:
         self._addresses = addresses
         self._api = api_index
         self.timeout_s = timeout_s  # server.core_call_timeout_s
+        self.file_timeout_s = file_timeout_s  # voices.read_timeout_s: wire.FILE_CALLS
         self._core_running = core_running
         self._on_silence = on_silence  # a call went unanswered for timeout_s: the owner decides (kill it)
         self._ctx = zmq.Context()
@@ -175,21 +176,21 @@ class CoreTransport:
                 take(await self.acall(kind))
                 self.polled_s = time.monotonic()
 
-    async def adapters(self, op: str, name: str | None, timeout_s: float) -> list[dict[str, Any]]:
+    async def adapters(self, op: str, name: str | None) -> list[dict[str, Any]]:
         """The core's custom-voice adapters (engines/lora.adapter_call); AdapterError with the reason."""
-        status, detail = await self.acall(wire.CALL_ADAPTERS, op, name, timeout_s=timeout_s, slow_ok=True)
+        status, detail = await self.acall(wire.CALL_ADAPTERS, op, name)
         if status == wire.FULL:
             raise ServiceUnavailableError(detail)
         if status != wire.OK:
             raise AdapterError(detail)
         return detail
 
-    async def prefetch(self, adapter: str, timeout_s: float) -> None:
+    async def prefetch(self, adapter: str) -> None:
         """Have the core read and check a custom voice's adapter before its session is submitted, on the
         core's file thread: the submit that follows finds it staged and is answered at once.
         InvalidSessionError (param voice) if the adapter is refused, SchedulerFullError if the core's file
         thread has too much queued."""
-        status, detail = await self.acall(wire.CALL_PREFETCH, adapter, timeout_s=timeout_s, slow_ok=True)
+        status, detail = await self.acall(wire.CALL_PREFETCH, adapter)
         if status == wire.INVALID:
             raise InvalidSessionError(detail, param="voice")
         if status == wire.FULL:
@@ -200,12 +201,13 @@ class CoreTransport:
         return {sid: (frames, reason) for sid, frames, reason in
                 self.call_from_any_thread(wire.CALL_TOKEN_LOG, session_ids)[1]}
 
-    async def acall(self, kind: int, *args: Any, timeout_s: float | None = None, slow_ok: bool = False) -> list[Any]:
-        """`call` without blocking the loop: the answer resolves a future (`_take_replies`). `slow_ok`: a call
-        the core answers when its work is done (wire.FILE_CALLS), so no answer within `timeout_s` fails this
-        call only and does not count as the core's silence."""
+    async def acall(self, kind: int, *args: Any) -> list[Any]:
+        """`call` without blocking the loop: the answer resolves a future (`_take_replies`). wire.FILE_CALLS
+        are answered when the core's file thread is done: no answer within `file_timeout_s` fails that call
+        only and does not count as the core's silence."""
         assert self._calls is not None and self._loop is not None
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        file_call = kind in wire.FILE_CALLS
+        timeout = self.file_timeout_s if file_call else self.timeout_s
         seq = self._send_call(kind, args)
         future = self._replies[seq] = self._loop.create_future()
         deadline = time.monotonic() + timeout
@@ -214,7 +216,7 @@ class CoreTransport:
                 self._take_replies()  # an answer that came before the loop looked at the socket again
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    if slow_ok:
+                    if file_call:
                         raise ServiceUnavailableError(f"the engine core did not finish this within {timeout:g} s")
                     raise self._unanswered(timeout)
                 try:
