@@ -31,12 +31,14 @@ from orpheus_serve.config import ConfigError, load_config
 from orpheus_serve.core import wire
 from orpheus_serve.core.client import Outcome, SessionDone
 from orpheus_serve.core.process import EngineCoreProc
+from orpheus_serve.core.transport import CoreTransport
 from orpheus_serve.core.wire import CALL_SHUTDOWN, CoreAddresses
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.engines.lora import LoraAdapter, LoraManager
 from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.request.errors import ServiceUnavailableError
 from orpheus_serve.scheduler import SessionRequest
 from orpheus_serve.scheduler.step import SEED_MAX, EngineDeadError, SamplingParams, StepOutput, StepPlan
 from orpheus_serve.service.build import build_service
@@ -278,6 +280,51 @@ def test_reading_an_adapter_holds_neither_submits_nor_notes(tiny_orpheus: Path, 
         core.shutdown()
     finally:
         core.close()
+
+
+def test_a_file_call_past_its_deadline_fails_alone_and_is_not_the_core_s_silence(tmp_path: Path) -> None:
+    """An API process's transport against a stand-in core (a ROUTER) that answers stats at once and never
+    answers an adapter load: the load fails after voices.read_timeout_s with a 503 error of its own, the
+    core is not reported silent, and a stats call right after is answered. A plain call left unanswered
+    is reported silent (the supervisor then kills the core)."""
+    addresses = CoreAddresses(input=f"ipc://{tmp_path}/in", outputs=(f"ipc://{tmp_path}/out-0",))
+    silences: list[str] = []
+    transport = CoreTransport(addresses, 0, 0.5, file_timeout_s=0.3, core_running=lambda: True,
+                              on_silence=silences.append)
+    ctx = zmq.Context()
+    core = ctx.socket(zmq.ROUTER)
+    core.bind(addresses.input)
+
+    def stand_in_core(stop: threading.Event) -> None:
+        while not stop.is_set():
+            if core.poll(20):
+                identity, payload = core.recv_multipart()
+                message = wire.unpack(payload)
+                if message[0] == wire.CALL_STATS and message[2:] == []:
+                    core.send_multipart([identity, wire.pack([message[1], wire.OK, "stats"])])
+
+    async def scenario() -> None:
+        transport.attach_loop(asyncio.get_running_loop())
+        transport.open_calls()
+        with pytest.raises(ServiceUnavailableError, match=r"did not finish this within 0\.3 s"):
+            await transport.adapters("load", "voice0")
+        assert silences == []
+        assert await transport.acall(wire.CALL_STATS) == [wire.OK, "stats"]
+        with pytest.raises(ServiceUnavailableError, match=r"did not answer within 0\.5 s"):
+            await transport.acall(wire.CALL_STATS, "unanswered")
+        assert len(silences) == 1
+
+    stop = threading.Event()
+    runner = threading.Thread(target=stand_in_core, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop.set()
+        runner.join(5)
+        transport.close()
+        core.close(0)
+        ctx.term()
 
 
 def test_more_than_one_api_process_needs_the_engine_core_process() -> None:
