@@ -36,6 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"weights"},  # model paths, tiny models
     {"scheduler"},  # sessions, slots, policies, step types: pure Python
     {"request"},  # request types, errors, text, validation
+    {"replay"},  # a measured card's costs, for the sim engine and the sim codec (no torch)
     {"engines", "codec", "client"},  # token engines; SNAC decoders; the client package (no server code)
     {"core", "benchmarking"},  # the engine core and its clients; benchmarks drive the client package
     {"metrics"},  # the request tally and Prometheus collectors (read core stats)

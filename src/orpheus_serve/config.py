@@ -119,6 +119,11 @@ class SimConfig(_Strict):
     prefill_per_token_ms: float = Field(0.02, ge=0)
     end_after_frames: int | None = Field(None, ge=1)
     realtime: bool = True
+    # A GPU kit result folder (scripts/gpu) to replay instead of the formula above: the measured card's step,
+    # prefill and codec-pass times, its launch time on the interpreter and its contention (replay/, with
+    # `codec.decoder: sim`). profile_variant: the engine rows replayed (default: triton where measured).
+    profile: str | None = None
+    profile_variant: str | None = None
 
 
 class EngineConfig(_Strict):

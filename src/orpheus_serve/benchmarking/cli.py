@@ -32,6 +32,7 @@ from .runner import (
     frames_for_seconds,
     h100_fp8_cost,
     measure,
+    profile_ttfb_bound,
     scaling_levels,
     sim_overrides,
     ttfb_feasible_bound,
@@ -59,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=140,
                     help="cap per request (keeps CPU runs short; 0 = the server's text-length rule)")
     ap.add_argument("--ttfb-target-ms", type=float, default=None, help="default: the profile's target_ttfb_ms")
-    ap.add_argument("--sim-streams", type=int, default=128, help="concurrent streams for the sim run")
+    ap.add_argument("--sim-streams", type=int, default=None,
+                    help="highest concurrency of the sim run (default 128; with --sim-profile 1.5x its bound)")
+    ap.add_argument("--sim-profile", type=Path, default=None, metavar="DIR",
+                    help="replay a measured card: a GPU kit result folder (docs/gpu-results/...), instead of the "
+                         "H100 cost model")
+    ap.add_argument("--sim-profile-variant", default=None,
+                    help="the profile's engine rows to replay (default: triton where measured, else sdpa)")
     ap.add_argument("--sim-max-batch", type=int, default=512,
                     help="scheduler.max_batch_size of the sim server: smaller steps for new sessions' first audio")
     ap.add_argument("--sim-admission", nargs="+", choices=("queue", "reject"), default=["queue", "reject"],
@@ -76,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, max_chars: int) -> None:
+    def __init__(self, args: argparse.Namespace, max_chars: int, *, max_frames_per_pass: int = 64) -> None:
         self.args = args
         self.max_chars = max_chars
+        self.max_frames_per_pass = max_frames_per_pass  # the codec's, for a replayed card's bound
         self.out_dir = args.output.parent
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._launches = 0
@@ -179,20 +187,39 @@ class Bench:
         return {"rows": rows, "tokens_per_s": self.args.input_tokens_per_s, "ttfb_target_ms": ttfb_target}
 
     def sim(self) -> dict[str, Any]:
-        """The sim engine and sim codec with an H100 FP8 cost model, behind the real gateway, offered
-        loads up to `--sim-streams` (past the analytic bound: overload), once per admission mode."""
+        """The sim engine and sim codec behind the real gateway, with an H100 FP8 cost model or a measured card
+        replayed (`--sim-profile`), offered loads up to `--sim-streams` (past the analytic bound: overload),
+        once per admission mode."""
         cost = h100_fp8_cost()
-        streams = self.args.sim_streams
         seconds = 4.0
         frames = frames_for_seconds(seconds)
-        shape = {"prompt_tokens": 40, "utterance_tokens": frames * 7, "max_batch": 4 * streams}
-        bound = analytic_realtime_bound(cost, **shape)
-        ttfb_bound = ttfb_feasible_bound(cost, **shape, first_audio_tokens=21, ttfb_ms=150.0)
-        levels = sorted({32, 64, ttfb_bound, streams, int(0.9 * bound)})
+        prompt_tokens = 40
+        profile = None
+        if self.args.sim_profile is not None:
+            from ..replay import load_profile
+
+            profile = load_profile(self.args.sim_profile, variant=self.args.sim_profile_variant)
+            bound = profile.realtime_bound(mean_kv_len=prompt_tokens + frames * 7 / 2,
+                                           max_frames_per_pass=self.max_frames_per_pass)
+            ttfb_bound = profile_ttfb_bound(profile, prompt_tokens=prompt_tokens, bound=bound,
+                                            first_audio_tokens=21, ttfb_ms=150.0)
+            streams = self.args.sim_streams or max(1, round(1.5 * bound))
+        else:
+            streams = self.args.sim_streams or 128
+            shape = {"prompt_tokens": prompt_tokens, "utterance_tokens": frames * 7, "max_batch": 4 * streams}
+            bound = analytic_realtime_bound(cost, **shape)
+            ttfb_bound = ttfb_feasible_bound(cost, **shape, first_audio_tokens=21, ttfb_ms=150.0)
+        levels = sorted({32, 64, ttfb_bound, streams, int(0.9 * bound)} - {0})
         slots = max(levels)
         overrides = sim_overrides(cost, slots=slots, frames=frames, max_batch=self.args.sim_max_batch)
+        if profile is not None:
+            overrides.append(f"engine.sim.profile={self.args.sim_profile.resolve()}")
+            if self.args.sim_profile_variant:
+                overrides.append(f"engine.sim.profile_variant={self.args.sim_profile_variant}")
         out: dict[str, Any] = {
-            "cost_model": cost.model_dump(), "utterance_seconds": round(frames * FRAME_SECONDS, 3),
+            "cost_model": cost.model_dump() if profile is None else profile.describe(),
+            "profile": None if profile is None else profile.name,
+            "utterance_seconds": round(frames * FRAME_SECONDS, 3),
             "max_batch_size": min(self.args.sim_max_batch, slots), "protocol": self.args.sim_protocol,
             "analytic_bound": bound, "ttfb_feasible_bound": ttfb_bound,
         }
@@ -244,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = load_config(args.config, overrides=args.set)
     ttfb_target = args.ttfb_target_ms or config.active_profile.target_ttfb_ms
-    bench = Bench(args, config.active_profile.max_text_chars)
+    bench = Bench(args, config.active_profile.max_text_chars, max_frames_per_pass=config.codec.max_frames_per_pass)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args) | {"output": str(args.output)},
                                "environment": environment(), "ttfb_target_ms": ttfb_target}
     modes = {"single", "scaling", "tuning", "sim"} if args.mode == "all" else {args.mode}

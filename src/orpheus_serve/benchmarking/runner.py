@@ -34,6 +34,7 @@ import httpx
 
 from ..client.records import percentile, summarize
 from ..config import SimConfig
+from ..replay import CardProfile
 from ..request.types import PROTOCOLS
 from ..token_format import FRAME_SECONDS, TOKENS_PER_SECOND_REALTIME
 from .workload import make_workload
@@ -296,6 +297,18 @@ def ttfb_feasible_bound(cost: SimConfig, *, prompt_tokens: int, utterance_tokens
         step = cost.step_base_ms + cost.step_per_seq_ms * n + cost.step_per_ctx_token_ms * ctx * n
         prefill = cost.prefill_per_token_ms * prompt_tokens
         if step <= 1000.0 / TOKENS_PER_SECOND_REALTIME and first_audio_tokens * step + prefill <= ttfb_ms:
+            best = n
+    return best
+
+
+def profile_ttfb_bound(profile: CardProfile, *, prompt_tokens: int, bound: int, first_audio_tokens: int,
+                       ttfb_ms: float) -> int:
+    """`ttfb_feasible_bound` on a replayed card: the most streams (up to its real-time bound) whose full-batch
+    step lets a new session's first `first_audio_tokens` tokens, after its prefill, come within `ttfb_ms`."""
+    best = 0
+    for n in range(1, bound + 1):
+        step = profile.step_ms(n, prompt_tokens)
+        if first_audio_tokens * step + profile.step_ms(n, prompt_tokens, prompt_tokens) <= ttfb_ms:
             best = n
     return best
 

@@ -58,3 +58,25 @@ class StreamingDecoder(Protocol):
     def close(self, key: Hashable) -> None:
         """Forget a session's state (cancelled before its final push)."""
         ...
+
+
+STATEFUL_STEP_FRAMES = (1, 2, 4)  # the stateful decoder's step shapes (frames per row per forward step)
+
+
+def step_schedule(frame_counts: Sequence[int], step_frames: Sequence[int],
+                  max_batch: int) -> list[tuple[list[int], int]]:
+    """The forward steps one decode call takes for pushes of `frame_counts` frames: (the pushes in the step, by
+    index, at most `max_batch`; the frames each advances). Every row of a step advances by the same number of
+    frames, the largest of `step_frames` that the shortest push still pending allows, so pushes of unequal
+    lengths cost several steps (1 and 4 frames: four steps of one frame). Each step is one launch of every
+    layer: the replay of a card (replay/) charges a pass per step, from this same schedule."""
+    sizes = sorted(set(step_frames), reverse=True)
+    done = [0] * len(frame_counts)
+    steps: list[tuple[list[int], int]] = []
+    while active := [i for i, n in enumerate(frame_counts) if done[i] < n]:
+        least = min(frame_counts[i] - done[i] for i in active)
+        n_frames = next(n for n in sizes if n <= least)
+        steps.extend((active[start : start + max_batch], n_frames) for start in range(0, len(active), max_batch))
+        for i in active:
+            done[i] += n_frames
+    return steps

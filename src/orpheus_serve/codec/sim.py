@@ -10,6 +10,12 @@ standing in for one batched SNAC forward pass on a GPU. Together with the sim
 engine it lets the gateway, scheduler and codec plumbing run at GPU-scale
 concurrency on a CPU. Selected with `codec.decoder: sim`.
 
+With a `ModelledCard` (replay/: a measured card, `engine.sim.profile`) it stands in for the card's stateful
+decoder: the same lookahead (the first push waits for it, the final push flushes it) and the same forward
+steps per call (`base.step_schedule`: pushes of unequal lengths take several), each step costing what the
+card's codec stage measured, its launch time spent on the interpreter, on the device timeline it shares
+with the sim engine.
+
 Basis of the default cost: ARCHITECTURE §4 counts 9.7 GFLOP per second of audio
 (~0.83 GFLOP per frame); at a few TFLOP/s of effective FP16 throughput for
 small convolutions that is ~0.2-0.3 ms per frame, plus ~1.5 ms of launch
@@ -23,22 +29,31 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from ..replay import ModelledCard
 from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME
-from .base import CodecPush, CodecResult
+from .base import STATEFUL_STEP_FRAMES, CodecPush, CodecResult, step_schedule
 
 
 class SimDecoder:
     sample_rate = SAMPLE_RATE
-    lookahead_frames = 0
 
-    def __init__(self, *, base_ms: float = 1.5, per_frame_ms: float = 0.25, realtime: bool = True) -> None:
+    def __init__(self, *, base_ms: float = 1.5, per_frame_ms: float = 0.25, realtime: bool = True,
+                 card: ModelledCard | None = None, max_batch: int = 64) -> None:
         self.base_ms = base_ms
         self.per_frame_ms = per_frame_ms
         self.realtime = realtime
+        self.card = card if realtime else None
+        self.max_batch = max_batch
+        self.lookahead_frames = 0 if self.card is None else self.card.profile.codec_lookahead_frames
 
     def decode(self, pushes: Sequence[CodecPush]) -> list[CodecResult]:
         started = time.perf_counter()
         frames = sum(len(p.frames) for p in pushes)
+        if self.card is not None:
+            counts = [len(p.frames) + (self.lookahead_frames if p.final else 0) for p in pushes]
+            for group, n_frames in step_schedule(counts, STATEFUL_STEP_FRAMES, self.max_batch):
+                self.card.codec_pass(len(group) * n_frames)
+            return [CodecResult(p.key, self._tone(p.frames), p.final) for p in pushes]
         results = [CodecResult(p.key, self._tone(p.frames), p.final) for p in pushes]
         if self.realtime and frames:
             # The modelled GPU time includes making the audio: sleep only for what is left of it.

@@ -71,7 +71,7 @@ from snac.attention import LocalMHA
 from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 from torch import nn
 
-from orpheus_serve.codec.base import CodecPush, CodecResult
+from orpheus_serve.codec.base import STATEFUL_STEP_FRAMES, CodecPush, CodecResult, step_schedule
 from orpheus_serve.codec.transfer import HostTransfer
 from orpheus_serve.token_format import TOKENS_PER_FRAME, frames_to_snac_codes
 
@@ -378,7 +378,7 @@ class StatefulDecoder:
         max_batch: int = 64,
         noise: bool = False,
         seed: int | None = None,
-        step_frames: Sequence[int] = (1, 2, 4),
+        step_frames: Sequence[int] = STATEFUL_STEP_FRAMES,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -496,13 +496,10 @@ class StatefulDecoder:
         return row
 
     def _run(self, work: list[_Work]) -> None:
-        """Step every session with pending frames; all rows of a step advance by the same number of frames."""
-        while active := [w for w in work if w.done < len(w.frames)]:
-            least = min(len(w.frames) - w.done for w in active)
-            n_frames = next(n for n in self.step_frames if n <= least)
-            active.sort(key=lambda w: w.session.row)
-            for start in range(0, len(active), self.max_batch):
-                self._step(active[start : start + self.max_batch], n_frames)
+        """Step every session with pending frames (`step_schedule`), rows in ascending order."""
+        ordered = sorted(work, key=lambda w: w.session.row)
+        for group, n_frames in step_schedule([len(w.frames) for w in ordered], self.step_frames, self.max_batch):
+            self._step([ordered[i] for i in group], n_frames)
 
     def _step(self, group: list[_Work], n_frames: int) -> None:
         batch = len(group)

@@ -63,12 +63,20 @@ def build_engine_and_decoder(config: Config) -> tuple[TokenEngine, StreamingDeco
     from ..config import resolve_device, resolve_dtype
     from ..engines.factory import create_engine
 
-    engine = create_engine(config)
+    card = None
+    if config.engine.backend == "sim" and config.engine.sim.profile:
+        from ..replay import ModelledCard, load_profile
+
+        # One card for the engine and the codec: they share its device and this process's interpreter.
+        card = ModelledCard(load_profile(config.engine.sim.profile, variant=config.engine.sim.profile_variant))
+        log.info("replaying the card measured in %s (%s, %s steps)", config.engine.sim.profile,
+                 card.profile.card, card.profile.variant)
+    engine = create_engine(config, card=card)
     codec_device = resolve_device(config.codec.device)
     if config.codec.decoder == "sim":
         sim = config.codec.sim
         decoder: StreamingDecoder = SimDecoder(base_ms=sim.base_ms, per_frame_ms=sim.per_frame_ms,
-                                               realtime=sim.realtime)
+                                               realtime=sim.realtime, card=card, max_batch=config.codec.max_batch)
     else:
         snac = load_snac(
             config.codec.path,

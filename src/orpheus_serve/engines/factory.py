@@ -17,9 +17,11 @@ from .base import TokenEngine
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..replay import ModelledCard
 
 
-def create_engine(config: Config) -> TokenEngine:
+def create_engine(config: Config, *, card: ModelledCard | None = None) -> TokenEngine:
+    """`card`: the measured card the sim backend replays (replay/; core/build.py makes it)."""
     backend = config.engine.backend
     if backend == "tensorrt":
         from .trtllm_engine import TrtLlmEngine
@@ -32,7 +34,7 @@ def create_engine(config: Config) -> TokenEngine:
     if backend == "sim":
         from .sim_engine import SimEngine
 
-        return SimEngine.from_config(config)
+        return SimEngine.from_config(config, card=card)
     raise EngineError(f"unknown engine.backend {backend!r}; expected torch, tensorrt or sim")
 
 

@@ -25,6 +25,11 @@ the step's modelled end, so host work done between the two overlaps the
 modelled GPU time as it would on a GPU; `step` is both at once. Otherwise the
 time is only reported in `StepOutput.elapsed_s`, and a virtual clock advances
 through `clock_advance`.
+
+With a `ModelledCard` (replay/: a measured card, `engine.sim.profile`) the step's time is the card's
+instead of the formula: `launch` spends the card's launch time on the interpreter, then queues the step
+on the card's device timeline, which it shares with the sim codec; `collect` sleeps to the step's end,
+contention with codec passes included.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config, SimConfig
+from ..replay import ModelledCard
+from ..replay.card import StepTiming
 from ..scheduler.step import EngineError, PrefillChunk, SamplingParams, StepOutput, StepPlan, sampling_problem
 from ..token_format import CODEBOOK_SIZE, END_OF_SPEECH, TOKENS_PER_FRAME, VOCAB_SIZE, code_to_token
 from .base import MemoryReport
@@ -74,6 +81,7 @@ def _seed_for(sampling: SamplingParams, request_id: str) -> int:
 class SimStepHandle:
     output: StepOutput
     done_at: float | None  # perf_counter time the modelled device finishes the step (realtime), else None
+    timing: StepTiming | None = None  # the step on a modelled card (its end known at collect)
 
 
 @dataclass(slots=True)
@@ -114,6 +122,7 @@ class SimEngine:
         cost: SimConfig,
         *,
         clock_advance: Callable[[float], None] | None = None,
+        card: ModelledCard | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -121,6 +130,8 @@ class SimEngine:
         self.max_seq_len = max_seq_len
         self.cost = cost
         self._clock_advance = clock_advance
+        self.card = card if cost.realtime else None  # a card's time is real time only
+        self._load = (0, 0, 0)  # the last _run's decoded rows, their context, prefill tokens
         self._slots: dict[int, _SlotState] = {}
         self._closed = False
         self.steps = 0
@@ -128,12 +139,14 @@ class SimEngine:
         self._device_free_at = 0.0  # perf_counter time the modelled device finishes what it was given
 
     @classmethod
-    def from_config(cls, config: Config, *, clock_advance: Callable[[float], None] | None = None) -> SimEngine:
+    def from_config(cls, config: Config, *, clock_advance: Callable[[float], None] | None = None,
+                    card: ModelledCard | None = None) -> SimEngine:
         return cls(
             config.scheduler.max_concurrent_sessions,
             config.engine.max_seq_len,
             config.engine.sim,
             clock_advance=clock_advance,
+            card=card,
         )
 
     def step(self, plan: StepPlan) -> StepOutput:
@@ -144,6 +157,12 @@ class SimEngine:
         making the tokens here counts as part of it, as the GPU makes them on a GPU)."""
         called = time.perf_counter()
         out = self._run(plan)
+        if self.card is not None:
+            batch, context, prefill = self._load
+            if not batch and not prefill:
+                return SimStepHandle(out, None)
+            timing = self.card.launch_step(batch, context / batch if batch else 0.0, prefill)
+            return SimStepHandle(out, None, timing)
         if self.cost.realtime:
             start = max(called, self._device_free_at)
             self._device_free_at = start + out.elapsed_s
@@ -153,6 +172,15 @@ class SimEngine:
         return SimStepHandle(out, None)
 
     def collect(self, handle: SimStepHandle) -> StepOutput:
+        if handle.timing is not None:
+            assert self.card is not None
+            done_at = self.card.step_done_at(handle.timing)
+            remaining = done_at - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            handle.output.elapsed_s = done_at - handle.timing.start
+            self.busy_s += handle.output.elapsed_s
+            return handle.output
         if handle.done_at is not None:
             remaining = handle.done_at - time.perf_counter()
             if remaining > 0:
@@ -195,8 +223,11 @@ class SimEngine:
             context += state.context
             out.tokens.setdefault(slot, []).append(state.next_token())
 
+        self._load = (batch, context, prefill_tokens)
         elapsed_ms = 0.0
-        if batch or prefill_tokens:
+        if self.card is not None:
+            pass  # the card's time, at launch and collect
+        elif batch or prefill_tokens:
             elapsed_ms = (
                 self.cost.step_base_ms
                 + self.cost.step_per_seq_ms * batch
@@ -205,7 +236,7 @@ class SimEngine:
             )
         out.elapsed_s = elapsed_ms / 1000.0
         self.steps += 1
-        self.busy_s += out.elapsed_s
+        self.busy_s += out.elapsed_s  # (a card's steps add theirs at collect)
         return out
 
     def _new_session(self, chunk: PrefillChunk) -> _SlotState | str:
