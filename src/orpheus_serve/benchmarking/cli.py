@@ -200,7 +200,8 @@ class Bench:
 
             profile = load_profile(self.args.sim_profile, variant=self.args.sim_profile_variant)
             bound = profile.realtime_bound(mean_kv_len=prompt_tokens + frames * 7 / 2,
-                                           max_frames_per_pass=self.max_frames_per_pass)
+                                           max_frames_per_pass=self.max_frames_per_pass,
+                                           prefill_share=prompt_tokens / (frames * 7))
             ttfb_bound = profile_ttfb_bound(profile, prompt_tokens=prompt_tokens, bound=bound,
                                             first_audio_tokens=21, ttfb_ms=150.0)
             streams = self.args.sim_streams or max(1, round(1.5 * bound))
@@ -258,6 +259,7 @@ def print_row(title: str, row: dict[str, Any]) -> None:
           f"audio s/s={row['audio_seconds_per_second']}  cpu s/audio s={row['server_cpu_s_per_audio_s']}  "
           f"cpu us/token core/api={row.get('core_cpu_us_per_token')}/{row.get('api_cpu_us_per_token')}  "
           f"step loop/engine ms={row.get('loop_ms_per_step')}/{row.get('engine_ms_per_step')}  "
+          f"codec ms/pass={row.get('codec_ms_per_pass')} ({row.get('codec_frames_per_pass')} frames)  "
           f"generating at once peak/capacity at saturation={row.get('admitted_peak')}/"
           f"{row.get('capacity_at_saturation')}  "
           f"lag ms gateway max/client p99/max={row.get('gateway_lag_ms_max')}/{row.get('client_loop_lag_ms_p99')}/"
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, overrides=args.set)
     ttfb_target = args.ttfb_target_ms or config.active_profile.target_ttfb_ms
     bench = Bench(args, config.active_profile.max_text_chars, max_frames_per_pass=config.codec.max_frames_per_pass)
-    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args) | {"output": str(args.output)},
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                "environment": environment(), "ttfb_target_ms": ttfb_target}
     modes = {"single", "scaling", "tuning", "sim"} if args.mode == "all" else {args.mode}
     t0 = time.perf_counter()

@@ -246,6 +246,13 @@ def plumbing_cost(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         out["step_call_ms_per_step"] = round(1000 * (engine_b["busy_s"] - engine_a["busy_s"]) / steps, 3)
         out["engine_ms_per_step"] = round(1000 * engine, 3)
         out["loop_over_engine"] = round(loop / engine, 4) if engine > 0 else None
+    # The codec inside the server: its passes between the snapshots (against the kit's codec alone).
+    codec_a, codec_b = before.get("codec") or {}, after.get("codec") or {}
+    passes = codec_b.get("passes", 0) - codec_a.get("passes", 0)
+    out["codec_ms_per_pass"] = round(1000 * (codec_b["decode_s"] - codec_a["decode_s"]) / passes, 3) \
+        if passes > 0 else None
+    out["codec_frames_per_pass"] = round((codec_b["frames_decoded"] - codec_a["frames_decoded"]) / passes, 2) \
+        if passes > 0 else None
     return out
 
 

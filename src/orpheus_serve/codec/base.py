@@ -68,7 +68,7 @@ def step_schedule(frame_counts: Sequence[int], step_frames: Sequence[int],
     """The forward steps one decode call takes for pushes of `frame_counts` frames: (the pushes in the step, by
     index, at most `max_batch`; the frames each advances). Every row of a step advances by the same number of
     frames, the largest of `step_frames` that the shortest push still pending allows, so pushes of unequal
-    lengths cost several steps (1 and 4 frames: four steps of one frame). Each step is one launch of every
+    lengths cost several steps (pushes of 1 and 4 frames: steps of 1, 2 and 1 frames). Each step is one launch of every
     layer: the replay of a card (replay/) charges a pass per step, from this same schedule."""
     sizes = sorted(set(step_frames), reverse=True)
     done = [0] * len(frame_counts)

@@ -108,10 +108,12 @@ class CardProfile:
     def launch_ms(self, batch: int) -> float:
         return self.engine_launch_ms + self.engine_launch_per_row_ms * batch
 
-    def realtime_bound(self, *, mean_kv_len: float, max_frames_per_pass: int, max_streams: int = 4096) -> int:
-        """Most streams this card keeps real time when every stream decodes every step: the largest n whose step,
-        slowed while the codec is busy for the share of time n streams' frames keep it busy, takes at most
-        12.19 ms (a token per stream every FRAME_SECONDS / 7), and whose frames the codec decodes in time."""
+    def realtime_bound(self, *, mean_kv_len: float, max_frames_per_pass: int, prefill_share: float = 0.0,
+                       max_streams: int = 4096) -> int:
+        """Most streams this card keeps real time when every stream decodes every step: the largest n whose step
+        (n rows, plus `prefill_share` prompt tokens per generated token, the mean prefill a step carries), slowed
+        while the codec is busy for the share of time n streams' frames keep it busy, takes at most 12.19 ms (a
+        token per stream every FRAME_SECONDS / 7), and whose frames the codec decodes in time."""
         best = 0
         pass_frames = max(1, max_frames_per_pass)
         frames_per_ms = pass_frames / self.codec_pass_ms(pass_frames)
@@ -119,7 +121,8 @@ class CardProfile:
             codec_busy = (n / (FRAME_SECONDS * 1000.0)) / frames_per_ms  # share of time the codec runs
             if codec_busy > 1.0:
                 break
-            step = self.step_ms(n, mean_kv_len) * (1.0 + (self.engine_slowdown_under_codec - 1.0) * codec_busy)
+            step = self.step_ms(n, mean_kv_len, round(n * prefill_share)) \
+                * (1.0 + (self.engine_slowdown_under_codec - 1.0) * codec_busy)
             if step > REALTIME_STEP_MS:
                 break
             best = n

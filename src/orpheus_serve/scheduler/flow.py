@@ -42,6 +42,7 @@ own lock. Pure Python.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
@@ -49,9 +50,11 @@ from ..config import SchedulerConfig
 from ..token_format import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .capacity import CapacityEstimate, CapacityModel
 from .flush import FlushPolicy
+from .leads import LeadAdmission
 from .session import Session, SessionState
 
 GATEWAY_LAG_STALE_S = 2.0  # a gateway's lag report counts this long (they come every 50 ms)
+DIAGNOSTIC_SAMPLES = 512  # loop periods and codec passes kept for the percentiles in FlowStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,19 @@ class FlowStats:
     admission_waits: int  # steps that left a session queued for capacity with a slot free
     first_push_frames_last: int | None  # the last first push's size, frames
     first_push_frames_mean: float | None
+    # The inputs of the admission decision (ARCHITECTURE §5a, scheduler/leads.py), over the last
+    # DIAGNOSTIC_SAMPLES loop periods and codec passes, and the last reading of the playing streams.
+    limit_reason: str = "slots"  # lead | model | gateway | slots
+    loop_period_ms_p50: float | None = None
+    loop_period_ms_p99: float | None = None
+    codec_pass_ms_p50: float | None = None
+    codec_pass_ms_p99: float | None = None
+    codec_frames_per_pass: float | None = None
+    playing_streams: int | None = None  # streams read (first audio out, generating, past their first 0.5 s)
+    keeping_streams: int | None = None  # of those, keeping real time
+    falling_streams: int | None = None
+    lead_p5_s: float | None = None  # 5th percentile of their leads (audio their clients hold)
+    slowest_production: float | None = None  # lowest production among those not ahead, x real time
 
     def as_dict(self) -> dict[str, int | float | str | bool | None]:
         return asdict(self)
@@ -109,6 +125,13 @@ class FlowControl:
         self.capacity = CapacityModel(max_batch=batch_limit, max_frames_per_pass=max_frames_per_pass,
                                       max_pass_s=max_pass_s, headroom=config.admission_headroom,
                                       margin_floor=config.admission_margin_floor)
+        margin = config.admission_headroom if config.admission_headroom is not None else config.admission_margin_floor
+        self.leads = LeadAdmission(margin=margin, max_client_buffer_s=config.max_client_buffer_s,
+                                   max_server_buffer_s=config.max_server_buffer_s)
+        self._limit: int | None = None  # the leads' limit, cached for one scheduler step
+        self._limit_step = -1
+        self._loop_periods: deque[float] = deque(maxlen=DIAGNOSTIC_SAMPLES)  # recent loop periods, s
+        self._passes: deque[tuple[float, int]] = deque(maxlen=DIAGNOSTIC_SAMPLES)  # recent codec passes (s, frames)
         self._estimate: CapacityEstimate | None = None  # cached for one scheduler step
         self._estimate_step = -1
         self._mean_context = 0.0  # tokens of context per decoded session, smoothed
@@ -129,6 +152,7 @@ class FlowControl:
     def observe_step(self, batch: int, context: int, prefill: int, seconds: float, *, streams: int,
                      now: float) -> None:
         self.capacity.observe_step(batch, context, prefill, seconds, streams=streams, now=now)
+        self._loop_periods.append(seconds)
         if batch:
             per_session = context / batch
             self._mean_context = per_session if not self._mean_context \
@@ -136,6 +160,8 @@ class FlowControl:
 
     def observe_codec_pass(self, frames: int, seconds: float) -> None:
         self.capacity.observe_codec_pass(frames, seconds)
+        if frames > 0 and seconds > 0:
+            self._passes.append((seconds, frames))
 
     def gateway_lag(self, source: int, seconds: float, now: float) -> None:
         """API process `source`'s event loop runs `seconds` late (smoothed by the reporter)."""
@@ -230,23 +256,44 @@ class FlowControl:
         limit = self.config.max_server_buffer_s
         return len(self.draining) + sum(1 for s in admitted if s.server_buffered_s <= limit)
 
-    def admission_limit(self, admitted: Collection[Session], step: int) -> int | None:
-        """Streams admission allows now; None: by slots alone (`admission: slots`, or no feedback).
-        While a gateway lags, no more than run now."""
+    def admission_limit(self, admitted: Collection[Session], step: int, now: float) -> int | None:
+        """Streams admission allows now (`leads.py`: from what the playing streams experience, the cost model
+        only until they can be read); None: by slots alone (`admission: slots`, or no feedback). While a
+        gateway lags, no more than run now."""
         if not self.feedback or self.config.admission == "slots":
             return None
-        limit = self.estimate(admitted, step).max_streams
+        limit = self._lead_limit(admitted, step, now)
         return min(limit, self.demand(admitted)) if self.gateway_behind else limit
 
-    def reject_limit(self, admitted: Collection[Session], step: int) -> int | None:
-        """`admission: reject` refuses past the measured capacity only: while a cold server ramps up to
-        what it has not measured yet, requests wait. While a gateway lags, it refuses."""
+    def reject_limit(self, admitted: Collection[Session], step: int, now: float) -> int | None:
+        """`admission: reject` refuses past the limit the playing streams support; before they can be read,
+        past the measured capacity only (while a cold server ramps up to what it has not measured yet,
+        requests wait). While a gateway lags, it refuses."""
         if not self.feedback or self.config.admission != "reject":
             return None
-        measured = self.estimate(admitted, step).measured_streams
+        limit = self._lead_limit(admitted, step, now)
+        measured = limit if self.leads.reason == "lead" else self.estimate(admitted, step).measured_streams
         if self.gateway_behind:
             return self.demand(admitted) if measured is None else min(measured, self.demand(admitted))
         return measured
+
+    def _lead_limit(self, admitted: Collection[Session], step: int, now: float) -> int:
+        if self._limit is None or self._limit_step != step:
+            self._limit = self.leads.update(now, admitted, demand=self.demand(admitted),
+                                            model_limit=self.estimate(admitted, step).max_streams,
+                                            slots=self._num_slots)
+            self._limit_step = step
+        return self._limit
+
+    @property
+    def limit_reason(self) -> str:
+        """What bounds admission now: lead (the playing streams' readings), model (the cost model's prediction,
+        before any stream could be read), gateway (an API process lags), slots (admission by free slots)."""
+        if not self.feedback or self.config.admission == "slots":
+            return "slots"
+        if self.gateway_behind:
+            return "gateway"
+        return self.leads.reason
 
     def admission_waited(self) -> None:
         self._waits += 1
@@ -293,7 +340,10 @@ class FlowControl:
 
     def stats(self, admitted: Collection[Session], now: float, step: int) -> FlowStats:
         estimate = self.estimate(admitted, step)
-        limit = self.admission_limit(admitted, step)
+        limit = self.admission_limit(admitted, step, now)
+        reading = self.leads.last
+        periods = sorted(self._loop_periods)
+        passes = sorted(s for s, _ in self._passes)
         reasons = {"codec": 0, "client_buffer": 0, "server_buffer": 0}
         max_undecoded = in_codec = 0
         for session in admitted:
@@ -327,4 +377,20 @@ class FlowControl:
             first_push_frames_last=self._first_push_last,
             first_push_frames_mean=round(self._first_push_total / self._first_push_count, 3)
             if self._first_push_count else None,
+            limit_reason=self.limit_reason,
+            loop_period_ms_p50=_percentile_ms(periods, 0.5),
+            loop_period_ms_p99=_percentile_ms(periods, 0.99),
+            codec_pass_ms_p50=_percentile_ms(passes, 0.5),
+            codec_pass_ms_p99=_percentile_ms(passes, 0.99),
+            codec_frames_per_pass=round(sum(f for _, f in self._passes) / len(self._passes), 2)
+            if self._passes else None,
+            playing_streams=None if reading is None else reading.playing,
+            keeping_streams=None if reading is None else reading.keeping,
+            falling_streams=None if reading is None else reading.falling,
+            lead_p5_s=None if reading is None or reading.lead_p5_s is None else round(reading.lead_p5_s, 3),
+            slowest_production=None if reading is None or reading.slowest is None else round(reading.slowest, 3),
         )
+
+
+def _percentile_ms(ordered: list[float], q: float) -> float | None:
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None

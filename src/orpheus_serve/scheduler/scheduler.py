@@ -179,7 +179,7 @@ class Scheduler(SchedulerFeedback):
             if self._config.admission == "reject" and not continuation:
                 # Behind a load balancer: past the measured capacity, refuse at once so the client goes
                 # elsewhere. (While a cold server ramps up to what it has not measured yet, requests wait.)
-                capacity = self._flow.reject_limit(self._admitted.values(), self._step)
+                capacity = self._flow.reject_limit(self._admitted.values(), self._step, self._clock())
                 if capacity is not None and self._flow.demand(self._admitted.values()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
                     retry = retry_after_s(self._mean_session_s, len(self._waiting), self.num_slots)
@@ -191,7 +191,7 @@ class Scheduler(SchedulerFeedback):
             # Waiting requests that will not be admitted at the next step: past a free slot, or past the
             # capacity admission allows.
             admissible = self._slots.free_count + len(self._pending_release)
-            limit = self._flow.admission_limit(self._admitted.values(), self._step)
+            limit = self._flow.admission_limit(self._admitted.values(), self._step, self._clock())
             if limit is not None:
                 admissible = max(0, min(admissible, limit - self._flow.demand(self._admitted.values())))
             queued = len(self._waiting) - admissible
@@ -335,7 +335,7 @@ class Scheduler(SchedulerFeedback):
                 budget -= self._add_chunk(plan, session, budget)
         if budget <= 0 or not self._waiting or not self._slots.free_count:
             return
-        capacity = self._flow.admission_limit(self._admitted.values(), self._step)
+        capacity = self._flow.admission_limit(self._admitted.values(), self._step, now)
         demand = self._flow.demand(self._admitted.values()) if capacity is not None else 0
         adapters = None if self._max_adapters is None else _adapters_in_use(self._admitted.values(), releasing_adapters)
         for session in self._policy.admission_order(list(self._waiting.values())):

@@ -1,0 +1,161 @@
+"""Admission from what the admitted streams experience (ARCHITECTURE §5a): their production and their audio lead.
+
+Every `TICK_S` the controller reads each playing stream (first audio out, still generating, not a slow
+reader, out of its first `MIN_AGE_S`):
+
+- its **lead**: audio its client holds unplayed (`Session.client_held_s`);
+- its **production**: audio generated per second over the last `WINDOW_S`, as a multiple of real time
+  (tokens / 82.03 per second: a token is 1/7 of an 85.3 ms frame). Production counts what the engine gave
+  the stream, so the engine's pace, the codec's (a stream whose frames wait for the codec is held back,
+  and produces less) and every host cost in between show in it.
+
+A stream **keeps real time** when its client's buffer is nearly full (it is ahead: flow control holds it),
+or when it produces at least `1 + margin` times real time (its lead grows) and its client has not run dry
+since the last reading. The others are **falling**. (The lead itself is no threshold: audio arrives in
+pushes of two frames, so a stream running just ahead of real time holds anywhere between 0 and 170 ms.)
+
+The limit (streams admission allows) moves on those readings, never on a prediction:
+
+- **grow** while no stream falls and the streams fill the limit: to what the slowest producer's spare pace
+  says the engine carries (`demand * slowest / (1 + margin)`, at least one more), at most `GROW_FACTOR`
+  at a time and once per `GROW_EVERY_S`, so each rise is measured before the next;
+- **hold** (admit nobody more) while some fall but not more than `fall_share` of them;
+- **back off** when more fall: to `demand * median production / (1 + margin)` (at most 95% of demand),
+  once per `WINDOW_S`, so a back-off is measured before the next. Streams already playing are never cut:
+  fewer are admitted as they end.
+
+The limit never drops below the streams keeping real time now: admission never holds back what the
+pipeline is serving well. Before any stream has played long enough to be read (a cold server, or an idle
+one) the cost model's prediction may raise the limit (`model`): it predicts the first ramp, and never pulls
+the limit below what the last readings allowed. Pure Python; the scheduler calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from ..token_format import TOKENS_PER_SECOND_REALTIME
+from .session import Session, SessionState
+
+TICK_S = 0.1  # readings at most this often (a plan comes every few ms)
+WINDOW_S = 1.0  # production is measured over this much of a stream's recent life
+MIN_AGE_S = 0.5  # a stream is read once it has played this long (its first tokens were prioritised)
+GROW_EVERY_S = 0.5
+GROW_FACTOR = 1.5
+AHEAD_SHARE = 0.8  # a client holding this share of max_client_buffer_s is ahead (flow control holds it back)
+MAX_BACK_OFF = 0.95  # a back-off admits at most this share of the streams running
+
+
+@dataclass(frozen=True, slots=True)
+class LeadReading:
+    playing: int  # streams read
+    keeping: int  # of those, keeping real time (ahead included)
+    falling: int
+    ahead: int  # clients whose buffer is nearly full
+    slowest: float | None  # lowest production of the streams not ahead, x real time
+    median: float | None
+    lead_p5_s: float | None  # 5th percentile of the read streams' leads
+
+
+class LeadAdmission:
+    def __init__(self, *, margin: float, max_client_buffer_s: float, max_server_buffer_s: float,
+                 fall_share: float = 0.05) -> None:
+        self.margin = margin
+        self.ahead_s = AHEAD_SHARE * max_client_buffer_s
+        self.max_server_buffer_s = max_server_buffer_s
+        self.fall_share = fall_share
+        self.limit: int | None = None  # None until the first reading or prediction
+        self.reason = "model"  # model | lead (what set the limit last)
+        self.last: LeadReading | None = None
+        self._last_tick = -math.inf
+        self._last_grow = -math.inf
+        self._last_back_off = -math.inf
+        # Per stream: (clock, tokens generated) readings over the last window, and the stalls seen.
+        self._history: dict[str, deque[tuple[float, int]]] = {}
+        self._stalls: dict[str, int] = {}
+
+    def update(self, now: float, admitted: Collection[Session], *, demand: int, model_limit: int,
+               slots: int) -> int:
+        """The limit now. `demand`: the streams that need real-time production; `model_limit`: the cost model's
+        prediction (used only while nothing can be read); `slots`: the ceiling."""
+        if now - self._last_tick >= TICK_S:
+            self._last_tick = now
+            self.last = self._read(now, admitted)
+            self._decide(now, self.last, demand, model_limit)
+        if self.limit is None:
+            self.limit = model_limit
+        self.limit = max(1, min(self.limit, slots))
+        return self.limit
+
+    # ------------------------------------------------------------ readings
+
+    def _read(self, now: float, admitted: Collection[Session]) -> LeadReading:
+        live: set[str] = set()
+        leads: list[float] = []
+        rates: list[float] = []
+        keeping = falling = ahead = 0
+        for session in admitted:
+            if (session.state is not SessionState.DECODING or session.first_flush_at is None
+                    or session.server_buffered_s > self.max_server_buffer_s):
+                continue
+            rid = session.request_id
+            live.add(rid)
+            history = self._history.setdefault(rid, deque())
+            history.append((now, session.generated))
+            while len(history) > 2 and history[1][0] <= now - WINDOW_S:
+                history.popleft()
+            stalled = session.stalls > self._stalls.get(rid, session.stalls)
+            self._stalls[rid] = session.stalls
+            then, generated_then = history[0]
+            if now - session.first_flush_at < MIN_AGE_S or now - then < MIN_AGE_S / 2:
+                continue  # too young to read
+            lead = session.client_held_s(now) or 0.0
+            leads.append(lead)
+            if lead >= self.ahead_s and not stalled:
+                ahead += 1
+                keeping += 1
+                continue
+            rate = (session.generated - generated_then) / (now - then) / TOKENS_PER_SECOND_REALTIME
+            rates.append(rate)
+            if rate >= 1.0 + self.margin and not stalled:
+                keeping += 1
+            else:
+                falling += 1
+        for rid in [r for r in self._history if r not in live]:
+            del self._history[rid]
+            self._stalls.pop(rid, None)
+        rates.sort()
+        leads.sort()
+        return LeadReading(
+            playing=len(leads), keeping=keeping, falling=falling, ahead=ahead,
+            slowest=rates[0] if rates else None, median=rates[len(rates) // 2] if rates else None,
+            lead_p5_s=leads[int(0.05 * (len(leads) - 1))] if leads else None)
+
+    # ------------------------------------------------------------ decisions
+
+    def _decide(self, now: float, reading: LeadReading, demand: int, model_limit: int) -> None:
+        if reading.playing == 0:
+            # Nothing to read (cold, idle, or every stream too young): the prediction may ramp up again, but not
+            # below what the last readings allowed.
+            self.limit, self.reason = max(model_limit, self.limit or 0), "model"
+            return
+        limit = self.limit if self.limit is not None else model_limit
+        self.reason = "lead"
+        if reading.falling > self.fall_share * reading.playing:
+            if now - self._last_back_off >= WINDOW_S:
+                share = MAX_BACK_OFF if reading.median is None else min(MAX_BACK_OFF, reading.median / (1 + self.margin))
+                limit = min(limit, math.floor(demand * share))
+                self._last_back_off = now
+            else:
+                limit = min(limit, demand)
+        elif reading.falling:
+            limit = min(limit, demand)
+        elif demand >= limit and now - self._last_grow >= GROW_EVERY_S:
+            target = limit + max(1, math.ceil(0.1 * limit)) if reading.slowest is None \
+                else math.floor(demand * reading.slowest / (1 + self.margin))
+            limit = min(max(target, limit + 1), math.ceil(limit * GROW_FACTOR))
+            self._last_grow = now
+        self.limit = max(limit, reading.keeping, 1)

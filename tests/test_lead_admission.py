@@ -1,0 +1,155 @@
+"""Admission from the playing streams' production and leads (scheduler/leads.py, ARCHITECTURE §5a), on CPU
+with hand-driven sessions and a fake clock: streams that keep real time open admission, streams that fall
+behind close it or back it off, and a prediction never holds the limit under what is being served well."""
+
+from __future__ import annotations
+
+import itertools
+
+from orpheus_serve.scheduler.flush import FlushPolicy, FrameBuffer
+from orpheus_serve.scheduler.leads import GROW_EVERY_S, TICK_S, WINDOW_S, LeadAdmission
+from orpheus_serve.scheduler.session import Session, SessionState
+from orpheus_serve.token_format import TOKENS_PER_SECOND_REALTIME
+from tests.test_scheduler import FakeClock, request
+
+MARGIN = 0.05
+
+
+def streams(clock: FakeClock, n: int, *, prefix: str = "s") -> list[Session]:
+    """`n` decoding sessions whose first audio went out now, their clients holding 200 ms."""
+    policy = FlushPolicy(first_frames=3, every_frames=2)
+    out = []
+    for i in range(n):
+        s = Session(request=request(f"{prefix}{i}", clock, prompt_len=20), order=i, buffer=FrameBuffer(policy),
+                    token_limit=100_000)
+        s.state = SessionState.DECODING
+        s.first_flush_at = clock()
+        s.playback_end_s = clock() + 0.2
+        out.append(s)
+    return out
+
+
+def play(clock: FakeClock, sessions: list[Session], seconds: float, rate: float | list[float],
+         admission: LeadAdmission, *, model_limit: int, slots: int = 512) -> list[int]:
+    """Advance `seconds` with each session producing `rate` x real time (one rate, or one per session): its
+    client's lead moves by rate - 1 per second, capped at 3 s, and a client that runs dry stalls. The limit is
+    asked for every 10 ms; returns the limits seen."""
+    rates = rate if isinstance(rate, list) else [rate] * len(sessions)
+    owed = dict.fromkeys(range(len(sessions)), 0.0)
+    seen = []
+    dt = 0.01
+    for _ in range(round(seconds / dt)):
+        clock.advance(dt)
+        for i, (s, r) in enumerate(zip(sessions, rates, strict=True)):
+            owed[i] += r * TOKENS_PER_SECOND_REALTIME * dt
+            whole = int(owed[i])
+            s.generated += whole
+            owed[i] -= whole
+            lead = s.playback_end_s - clock() + r * dt  # audio arrives as fast as it is produced
+            if lead <= 0:
+                s.stalls += 1
+                lead = 0.05
+            s.playback_end_s = clock() + min(lead, 3.0)
+        seen.append(admission.update(clock(), sessions, demand=len(sessions), model_limit=model_limit, slots=slots))
+    return seen
+
+
+def controller() -> LeadAdmission:
+    return LeadAdmission(margin=MARGIN, max_client_buffer_s=3.0, max_server_buffer_s=2.0)
+
+
+def test_a_cold_server_follows_the_prediction_until_streams_can_be_read() -> None:
+    clock = FakeClock()
+    admission = controller()
+    assert admission.update(clock(), [], demand=0, model_limit=6, slots=64) == 6
+    assert admission.reason == "model"
+    young = streams(clock, 6)
+    # Streams younger than half a second are not read: the prediction still rules.
+    limits = play(clock, young, 0.3, 1.5, admission, model_limit=6)
+    assert set(limits) == {6} and admission.reason == "model"
+
+
+def test_healthy_streams_open_admission_past_a_pessimistic_prediction() -> None:
+    # The H200's failure: the cost model predicted 1-3 streams while the card served ten times that. Streams
+    # producing 1.8x real time must raise the limit however low the prediction, a step at a time.
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 10)
+    limits = play(clock, sessions, 3.0, 1.8, admission, model_limit=1)
+    assert admission.reason == "lead"
+    # At the first reading the limit jumps to the ten streams keeping real time, then rises past them, at most
+    # 1.5x at a time and at most every GROW_EVERY_S, while they fill it.
+    rises = [(a, b) for a, b in itertools.pairwise(limits) if b > a]
+    assert rises[0] == (1, 10), rises
+    assert len(rises) >= 2 and all(b <= -(-a * 3 // 2) for a, b in rises[1:]), rises
+    assert len(rises) <= 3.0 / GROW_EVERY_S + 1
+    assert limits[-1] > 10, limits[-1]
+    assert min(limits[round(1.0 / 0.01):]) >= 10
+
+
+def test_the_rise_follows_the_measured_spare_pace() -> None:
+    # 20 streams at 1.26x real time with a 5% margin: the engine has room for about 20 * 1.26 / 1.05 = 24.
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 20)
+    admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
+    limits = play(clock, sessions, WINDOW_S + 1.2, 1.26, admission, model_limit=20)
+    assert 21 <= max(limits) <= 25, max(limits)
+
+
+def test_falling_streams_close_admission_and_back_it_off() -> None:
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 40)
+    play(clock, sessions, 1.5, 1.5, admission, model_limit=40)
+    high = admission.limit
+    assert high is not None and high >= 40
+    # The pipeline slows to 0.9x real time: admission backs off below what runs (fewer are admitted as streams
+    # end), by about the measured shortfall, once per window.
+    limits = play(clock, sessions, 1.5, 0.9, admission, model_limit=500)
+    assert admission.reason == "lead"
+    low = min(limits)
+    assert low < 40, limits
+    assert low >= int(40 * 0.9 / (1 + MARGIN)) - 1, low
+    backs = sum(1 for a, b in itertools.pairwise(limits) if b < a)
+    assert backs <= 1.5 / WINDOW_S + 1
+
+
+def test_a_few_slow_streams_hold_admission_without_backing_off() -> None:
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 50)
+    play(clock, sessions, 1.0, 1.5, admission, model_limit=50)
+    before = admission.limit
+    assert before is not None and before >= 50
+    # One stream in fifty falls (2%, under the 5% share): nobody more is admitted, nobody is backed off.
+    limits = play(clock, sessions, 1.5, [1.5] * 49 + [0.5], admission, model_limit=500)
+    assert admission.last is not None and admission.last.falling == 1
+    assert min(limits[round(WINDOW_S / 0.01):]) >= 50
+    assert max(limits[round(WINDOW_S / 0.01):]) <= max(before, 50)
+
+
+def test_clients_with_full_buffers_count_as_keeping_real_time() -> None:
+    # Flow control holds back a stream whose client holds max_client_buffer_s: it produces nothing then, and
+    # is ahead, not falling.
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 8)
+    play(clock, sessions, 1.0, 1.5, admission, model_limit=8)
+    for s in sessions:
+        s.playback_end_s = clock() + 2.9
+    clock.advance(TICK_S)
+    admission.update(clock(), sessions, demand=8, model_limit=8, slots=64)
+    assert admission.last is not None
+    assert admission.last.ahead == 8 and admission.last.falling == 0
+
+
+def test_a_stall_counts_as_falling() -> None:
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 4)
+    play(clock, sessions, 1.0, 2.0, admission, model_limit=4)
+    sessions[0].stalls += 1
+    clock.advance(TICK_S)
+    admission.update(clock(), sessions, demand=4, model_limit=4, slots=64)
+    assert admission.last is not None and admission.last.falling == 1
