@@ -143,6 +143,7 @@ class _GatewayLagSampler:
         self.samples: list[float] = []
         self.admitted: list[int] = []  # scheduler.active_sessions: streams generating at once
         self.saturated_capacity: list[int] = []  # flow.capacity_streams while admission was closed
+        self.flows: list[dict[str, Any]] = []  # flow sections while streams were playing (admission's inputs)
 
     def __enter__(self) -> _GatewayLagSampler:
         self._thread.start()
@@ -162,6 +163,35 @@ class _GatewayLagSampler:
             self.admitted.append(int(stats.get("scheduler", {}).get("active_sessions", 0)))
             if flow.get("capacity_streams") is not None and not flow.get("admission_open", True):
                 self.saturated_capacity.append(int(flow["capacity_streams"]))
+            if flow.get("playing_streams"):
+                self.flows.append(flow)
+
+    def admission(self) -> dict[str, Any] | None:
+        """What admission decided on while streams played: the limit and why, the streams' readings, the loop
+        and codec percentiles (medians of the samples; the worst lead and production)."""
+        flows = self.flows
+        if not flows:
+            return None
+
+        def median(key: str) -> float | None:
+            values = sorted(f[key] for f in flows if f.get(key) is not None)
+            return values[len(values) // 2] if values else None
+
+        reasons: dict[str, int] = {}
+        for f in flows:
+            reasons[f.get("limit_reason", "?")] = reasons.get(f.get("limit_reason", "?"), 0) + 1
+        leads = [f["lead_p5_s"] for f in flows if f.get("lead_p5_s") is not None]
+        slowest = [f["slowest_production"] for f in flows if f.get("slowest_production") is not None]
+        return {
+            "samples": len(flows), "limit_reasons": reasons,
+            **{key: median(key) for key in ("capacity_streams", "engine_capacity_streams", "codec_capacity_streams",
+                                            "engine_margin", "codec_margin", "loop_period_ms_p50",
+                                            "loop_period_ms_p99", "codec_pass_ms_p50", "codec_pass_ms_p99",
+                                            "codec_frames_per_pass", "playing_streams", "keeping_streams",
+                                            "falling_streams")},
+            "falling_streams_max": max(f.get("falling_streams") or 0 for f in flows),
+            "lead_p5_s_min": min(leads, default=None), "slowest_production_min": min(slowest, default=None),
+        }
 
 
 def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -183,6 +213,7 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     row["admitted_peak"] = max(gateway.admitted, default=None)
     row["capacity_at_saturation"] = (sorted(gateway.saturated_capacity)[len(gateway.saturated_capacity) // 2]
                                      if gateway.saturated_capacity else None)
+    row["admission"] = gateway.admission()
     row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))
     row["client_loop_lag_ms_max"] = _ms(max(client_lags, default=None))
     cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"]

@@ -9,13 +9,13 @@ into the scheduler's decisions:
   codec, whose feedback resumes it), while its socket has not taken
   `max_server_buffer_s` of decoded audio (a slow reader), or while its client
   holds more than `max_client_buffer_s` unplayed. It keeps its slot.
-- Capacity-aware admission (`admission_limit`, `reject_limit`): the engine
-  core's loop periods and the codec's passes feed a `CapacityModel`; a new
-  stream is admitted only while the streams that need real-time production stay
-  under the measured capacity: every admitted session but paused slow readers,
-  plus finished ones whose last frames the codec has not decoded yet (with a
-  fast engine and a slow codec a stream's generation ends long before its
-  decoding). `admission: slots` turns this off (bulk synthesis).
+- Admission (`admission_limit`, `reject_limit`): a new stream is admitted only while the streams that
+  need real-time production (every admitted session but paused slow readers, plus finished ones whose
+  last frames the codec has not decoded yet: with a fast engine and a slow codec a stream's generation
+  ends long before its decoding) stay under the limit `leads.py` sets from what the playing streams
+  experience. The engine core's loop periods and the codec's passes feed a `CapacityModel`, which only
+  predicts: the limit while no stream can be read, `reject` mode's bound before any reading, and first
+  pushes. `admission: slots` turns this off (bulk synthesis).
 - The context admission plans with (`planning_context`): a step costs more
   as the admitted streams' contexts grow, so admission checks the load at the
   peak of the admitted streams' total context over the rest of their lives
