@@ -178,6 +178,22 @@ class DecodeGraphs:
         return hidden[:n]
 
 
+def resolved_device(device: torch.device, current_index: int) -> torch.device:
+    """`device` with its index: one given without an index (`cuda`) means the current device of its type."""
+    return device if device.index is not None else torch.device(device.type, current_index)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` name one device: `cuda` is `cuda:N` for the current CUDA device N (weights report
+    their device with its index, an engine keeps the one it was given)."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return resolved_device(a, current) == resolved_device(b, current)
+
+
 def _attention_kernel(name: str, device: torch.device) -> str:
     """`auto`: the Triton decode kernel on CUDA (where triton is installed), SDPA elsewhere. Triton on a CPU
     runs in its interpreter only."""
@@ -243,7 +259,7 @@ class TorchEngine:
         with self._on_stream():
             if model is None:
                 model = load_transformer(folder, dtype=self.dtype, device=self.device)
-            elif model.output.weight.device != self.device or model.output.weight.dtype != self.dtype:
+            elif not same_device(model.output.weight.device, self.device) or model.output.weight.dtype != self.dtype:
                 raise EngineError(f"shared model is {model.output.weight.dtype} on {model.output.weight.device}, "
                                   f"this engine runs {self.dtype} on {self.device}")
             self.model = model
@@ -309,8 +325,9 @@ class TorchEngine:
         device = resolve_device(config.engine.device)
         codec = config.codec
         # SNAC loads after the engine: on the same GPU its share is kept out of the engine's plan.
-        same_device = codec.decoder != "sim" and torch.device(resolve_device(codec.device)) == torch.device(device)
-        codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if same_device else 0
+        codec_beside = codec.decoder != "sim" and same_device(torch.device(resolve_device(codec.device)),
+                                                              torch.device(device))
+        codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if codec_beside else 0
         return cls(
             config.engine.model_path,
             num_slots=config.scheduler.max_concurrent_sessions,
