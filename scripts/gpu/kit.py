@@ -4,7 +4,7 @@
     python scripts/gpu/kit.py STAGE --results DIR [--work DIR] [--deadline UNIX_TIME] [--dry-run]
     python scripts/gpu/kit.py imports STAGE... [--dry-run]   # only import what the stages import
 
-Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100, two stages a call):
+Stages (ARCHITECTURE §8; the card run is two calls, serve alone, then check, codec and engine: README.md):
 
 - check:  nvidia-smi, the torch and CUDA versions, and `pytest -m gpu` over the test files that
           have GPU tests. Fails unless some GPU test passed: on a GPU box, all of them skipping
@@ -31,7 +31,11 @@ Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100,
           arrivals spread over a ramp and fixed-length utterances (the model is random, so
           --max-tokens sets the length; each stream's length is checked). Real-time streams held at
           p95 TTFB under 150 ms and under 300 ms, server CPU per audio second (API and engine-core
-          processes), GPU utilisation sampled during the levels only.
+          processes), GPU utilisation sampled during the levels only, and the inputs of the admission
+          decision (`flow` in GET /v1/stats: capacity and its limit reason, engine and codec bounds,
+          margins, loop period, codec pass, lead p5) sampled every 0.5 s per level. Then the top level
+          measured runs again on a second server with `scheduler.admission=slots` (admitted while a slot
+          is free): the pipeline's own capacity, apart from the admission control's estimate.
 
 Every stage rewrites its STAGE.json (numbers, a Markdown table, `ok`, `complete`, `problems`) with
 an atomic rename after every piece it measures, and stops starting new pieces as its deadline nears:
