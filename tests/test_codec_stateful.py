@@ -10,8 +10,10 @@ import pytest
 import snac
 import torch
 from snac.layers import NoiseBlock, ResidualUnit, WNConv1d, WNConvTranspose1d
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from orpheus_serve.codec.base import CodecPush, StreamingDecoder
+from orpheus_serve.codec.loader import decode_offline, full_fp32_convolutions
 from orpheus_serve.codec.stateful import StatefulDecoder, _Builder, _StepContext
 from orpheus_serve.token_format import frames_to_snac_codes
 
@@ -295,12 +297,43 @@ def test_rejects_models_it_cannot_stream() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dtype", "min_snr"), [(torch.float32, 90), (torch.float16, 30)])
 def test_cuda_streaming_matches_cuda_one_shot(model, dtype: torch.dtype, min_snr: float) -> None:
+    """FP32: both sides in IEEE FP32 (the codec's promise, loader.full_fp32_convolutions), so only the order of
+    sums differs. The one-shot side is the project's reference decode, which keeps the same promise."""
     gpu_model = copy.deepcopy(model).to(device="cuda", dtype=dtype)
     decoder = StatefulDecoder(gpu_model)
     frames = random_frames(12, seed=81)
     audio = np.concatenate(stream_alone(decoder, frames, 2))
     assert audio.shape == (12 * SPF,)
-    assert snr_db(one_shot(gpu_model, frames), audio) >= min_snr
+    assert snr_db(decode_offline(gpu_model, frames).astype(np.float64), audio) >= min_snr
+
+
+class _ConvolutionPrecision(TorchDispatchMode):
+    """Records cuDNN's TF32 switch at every convolution dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tf32_allowed: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket in (torch.ops.aten.convolution, torch.ops.aten.conv1d):
+            self.tf32_allowed.append(torch.backends.cudnn.allow_tf32)
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_fp32_codec_convolves_in_full_fp32_and_leaves_the_switch_as_it_was(model) -> None:
+    """On CUDA, cuDNN runs FP32 convolutions in TF32 unless told not to (64 dB streamed against one-shot on an
+    H200). Every convolution of an FP32 decode, streamed or one-shot, runs with TF32 off; the process's own
+    setting is back once the decode returns. On a CPU the switch has no effect, but it is set the same."""
+    frames = random_frames(6, seed=83)
+    assert torch.backends.cudnn.allow_tf32  # PyTorch's default
+    with _ConvolutionPrecision() as seen:
+        decoder = StatefulDecoder(model)  # its latent tables are convolutions too
+        stream_alone(decoder, frames, 2)
+        decode_offline(model, frames)
+    assert len(seen.tf32_allowed) > 20 and not any(seen.tf32_allowed)
+    assert torch.backends.cudnn.allow_tf32
+    with full_fp32_convolutions(torch.float16):  # a half-precision codec keeps the process's setting
+        assert torch.backends.cudnn.allow_tf32
 
 
 def test_seeded_noise_is_reproducible_and_the_seed_matters(model) -> None:

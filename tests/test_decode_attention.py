@@ -25,7 +25,7 @@ from orpheus_serve.engines.decode_attention import choose_num_splits, decode_att
 from orpheus_serve.engines.fp8 import FP8_DTYPE, Fp8Linear, kv_scales, quantize_fp8, rounding_bound
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.engines.memory import plan_memory, weights_bytes
-from orpheus_serve.engines.torch_engine import TorchEngine
+from orpheus_serve.engines.torch_engine import GraphKey, TorchEngine, decode_graph_keys
 from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -262,6 +262,26 @@ def test_config_options_reach_the_engine(tiny_orpheus: Path, tmp_path: Path) -> 
     engine.close()
 
 
+def triton_graph_kv_lens(engine: TorchEngine) -> set[int]:
+    """The KV length buckets of the decode graphs `engine` captures (planned: on a CPU none are)."""
+    return {key.kv_len for key in engine.planned_graph_keys()}
+
+
+def test_triton_decode_graphs_are_one_length_bucket_per_padded_batch(tiny_orpheus: Path) -> None:
+    """What the CUDA test below checks of the captured graphs, checked here on the plan they are captured from:
+    keys are (batch, kv_len, with_lora), one length bucket with the Triton kernel, several with SDPA."""
+    triton_engine = TorchEngine(tiny_orpheus, num_slots=4, max_seq_len=512, device="cpu", dtype="fp32",
+                                max_batch_size=4, cuda_graphs=False, attention="triton")
+    keys = triton_engine.planned_graph_keys()
+    assert [(k.batch, k.kv_len, k.with_lora) for k in keys] == [(4, 512, False), (2, 512, False), (1, 512, False)]
+    assert triton_graph_kv_lens(triton_engine) == {512} and triton_engine.graph_keys == []  # no graphs on a CPU
+    sdpa_engine = TorchEngine(tiny_orpheus, num_slots=4, max_seq_len=512, device="cpu", dtype="fp32",
+                              max_batch_size=4, cuda_graphs=False, attention="sdpa")
+    assert triton_graph_kv_lens(sdpa_engine) == {256, 512}
+    assert decode_graph_keys(max_batch_size=2, max_seq_len=256, attention="triton", lora=True) == [
+        GraphKey(2, 256, False), GraphKey(2, 256, True), GraphKey(1, 256, False), GraphKey(1, 256, True)]
+
+
 def test_triton_on_cpu_without_the_interpreter_is_refused(tiny_orpheus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(EngineError, match="TRITON_INTERPRET=1"):
@@ -284,7 +304,7 @@ def test_cuda_graphs_with_triton_equal_eager(tiny_orpheus: Path, kv_cache_dtype:
                              max_batch_size=4, cuda_graphs=cuda_graphs, attention="triton",
                              kv_cache_dtype=kv_cache_dtype)
         if cuda_graphs:
-            assert engine._graphs is not None and {k for _, k in engine._graphs.graphs} == {512}
+            assert engine.graph_keys == engine.planned_graph_keys() and triton_graph_kv_lens(engine) == {512}
         tokens = greedy_tokens(engine, sessions=3, steps=200)
         engine.close()
         return tokens

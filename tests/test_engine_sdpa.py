@@ -14,7 +14,7 @@ from orpheus_serve import token_format as P
 from orpheus_serve.config import EngineConfig
 from orpheus_serve.engines.llama import load_transformer
 from orpheus_serve.engines.sdpa import pinned_sdpa, sdpa_backends, serving_backend
-from orpheus_serve.engines.torch_engine import TorchEngine
+from orpheus_serve.engines.torch_engine import TorchEngine, resolved_device, same_device
 from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,3 +104,33 @@ def test_on_cuda_weights_load_straight_to_the_device(tiny_orpheus: Path) -> None
     model = load_transformer(tiny_orpheus, dtype=torch.bfloat16, device="cuda")
     assert {p.device.type for p in model.parameters()} == {"cuda"}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_device_without_an_index_is_the_current_one(tiny_orpheus: Path) -> None:
+    """Weights report their device with its index (`cuda:0`), an engine keeps the one it was given (`cuda`):
+    the same card. Seen on CPU as `cpu` against `cpu:0`."""
+    assert resolved_device(torch.device("cuda"), 0) == torch.device("cuda:0")
+    assert resolved_device(torch.device("cuda"), 1) == torch.device("cuda:1")
+    assert resolved_device(torch.device("cuda:1"), 0) == torch.device("cuda:1")
+    assert same_device(torch.device("cpu"), torch.device("cpu:0"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda:0"))
+    shared = load_transformer(tiny_orpheus, dtype=torch.float32, device="cpu")
+    engine = TorchEngine(tiny_orpheus, num_slots=2, max_seq_len=128, device="cpu:0", dtype="fp32",
+                         cuda_graphs=False, model=shared)
+    try:
+        assert len(tokens_of(engine)) == 12
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_a_model_on_cuda_0_serves_an_engine_on_cuda(tiny_orpheus: Path) -> None:
+    """bench_engine.py's case: weights loaded once on `cuda:0`, engines made on `cuda`."""
+    assert same_device(torch.device("cuda"), torch.device(f"cuda:{torch.cuda.current_device()}"))
+    shared = load_transformer(tiny_orpheus, dtype=torch.bfloat16, device="cuda:0")
+    engine = TorchEngine(tiny_orpheus, num_slots=2, max_seq_len=128, device="cuda", dtype="bf16",
+                         cuda_graphs=False, model=shared)
+    try:
+        assert len(tokens_of(engine)) == 12
+    finally:
+        engine.close()

@@ -14,10 +14,10 @@ marked `gpukit`: `pytest -m gpukit tests/test_gpu_kit.py` (or ORPHEUS_GPUKIT=1) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +28,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.gpu import bare_box, kit  # noqa: E402
+from scripts.gpu import bare_box, kit, report  # noqa: E402
 
 STAGES = ("check", "engine", "codec", "serve")
 PREPARE = ROOT / "scripts" / "gpu" / "prepare.sh"
@@ -149,6 +149,15 @@ def test_realtime_held_needs_full_length_streams() -> None:
     assert kit.realtime_held([{**row, "short_streams": 1}], 150) is None
 
 
+def performance_doc(path: Path) -> None:
+    """docs/PERFORMANCE.md without its GPU section, at `path`: the record a report is merged into."""
+    text = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    if report.BEGIN in text:
+        head, rest = text.split(report.BEGIN, 1)
+        text = head.rstrip() + "\n" + rest.split(report.END, 1)[1]
+    path.write_text(text)
+
+
 def stage_json(stage: str, **changes: object) -> dict[str, object]:
     data: dict[str, object] = {
         "stage": stage, "dry_run": False, "ok": True, "complete": True, "problems": [], "stage_seconds": 12.5,
@@ -166,26 +175,118 @@ def write_results(folder: Path, *stages: dict[str, object]) -> Path:
     return folder
 
 
-def test_report_refuses_failed_empty_and_dry_run_stages(tmp_path: Path) -> None:
+def test_report_records_failed_and_empty_stages_and_refuses_only_dry_runs(tmp_path: Path) -> None:
     doc = tmp_path / "PERFORMANCE.md"
-    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    performance_doc(doc)
     original = doc.read_text()
-    cases = {
-        "failed": stage_json("check", ok=False, problems=["no GPU test passed (18 skipped)"]),
-        "empty": stage_json("serve", table=""),
-        "dry run": stage_json("engine", dry_run=True),
-    }
-    for i, (why, data) in enumerate(cases.items()):
-        results = write_results(tmp_path / f"r{i}", stage_json("codec"), data)
-        proc = subprocess.run([*REPORT, str(results), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")],
-                              capture_output=True, text=True)
-        assert proc.returncode != 0 and "refused" in proc.stderr, why
-        assert doc.read_text() == original and not (tmp_path / "raw").exists(), why
+    failed = stage_json("check", ok=False, problems=["3 GPU test(s) failed", "pytest exited 1"])
+    empty = stage_json("serve", ok=False, table="", problems=["stage raised: boom"])
+    results = write_results(tmp_path / "r", stage_json("codec"), failed, empty)
+    args = [str(results), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")]
+    subprocess.run([*REPORT, *args], check=True, capture_output=True)
+    merged = doc.read_text()
+    assert "| check | NVIDIA H100 80GB HBM3 | 2026-12-01 10:00 | **FAILED** | 3 GPU test(s) failed; pytest exited 1 |" \
+        in merged
+    assert "| serve | NVIDIA H100 80GB HBM3 | 2026-12-01 10:00 | **FAILED** | stage raised: boom; the stage measured " \
+           "nothing |" in merged
+    assert "| codec | NVIDIA H100 80GB HBM3 | 2026-12-01 10:00 | ok | - |" in merged
+    assert "FAILED: 3 GPU test(s) failed; pytest exited 1" in merged and "| check | value |" in merged  # its table
+    assert "**FAILED**: nothing was measured." in merged
+
+    # Dry-run numbers say nothing about a GPU: refused, nothing written.
+    doc.write_text(original)
+    dry = write_results(tmp_path / "dry", stage_json("codec"), stage_json("engine", dry_run=True))
+    proc = subprocess.run([*REPORT, str(dry), "--doc", str(doc), "--raw-root", str(tmp_path / "raw-dry")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "refused" in proc.stderr and "dry run" in proc.stderr
+    assert doc.read_text() == original and not (tmp_path / "raw-dry").exists()
+
+
+def test_report_ingests_the_h200_run_with_its_failed_serve_stage_and_its_edits(tmp_path: Path) -> None:
+    """The first card run as it came back (docs/gpu-results/2026-11-28-h200): serve and check failed, both are
+    in the section with their problems and numbers; the run's local edits are named; every file is kept."""
+    run = ROOT / "docs" / "gpu-results" / "2026-11-28-h200"
+    doc = tmp_path / "PERFORMANCE.md"
+    doc.write_text("# Performance\n")
+    subprocess.run([*REPORT, str(run), "--doc", str(doc), "--raw-root", str(tmp_path / "raw"), "--note",
+                    "serve levels up to 384"], check=True, capture_output=True)
+    merged = doc.read_text()
+    assert "| serve | NVIDIA H200 | 2026-11-28 21:44 | **FAILED** | levels [320, 384] not measured (deadline); " \
+           "requests failed at concurrency [64, 128, 192, 256] |" in merged
+    assert "| check | NVIDIA H200 | 2026-11-28 21:54 | **FAILED** | 3 GPU test(s) failed; pytest exited 1 |" in merged
+    assert "| 256 | 512 | 131 | 23,759 | 30,286 | 0.73 | 84 | 3.413-3.413 | 6.91 | 567.24 | 17 | 3 | 0.20 | 66.90 |" \
+        in merged  # a failed stage's numbers stay, with admitted peak and the capacity estimate
+    assert "4,841 passes decoded 17,324 frames in 100.5 s, 20.8 ms per pass of 3.6 frames" in merged
+    assert ("Run `2026-11-28-h200`: serve levels up to 384. It ran with local edits to the kit, "
+            "`docs/gpu-results/2026-11-28-h200/kit-edits.diff` (`scripts/gpu/kit.py`, "
+            "`src/orpheus_serve/engines/torch_engine.py`).") in merged
+    assert "NVIDIA H200, driver 580.159.04, torch 2.11.0+cu130 (CUDA 13.0)" in merged
+    assert sorted(p.name for p in (tmp_path / "raw" / "2026-11-28-h200").iterdir()) == sorted(
+        p.name for p in run.iterdir())
+
+
+def test_the_admission_inputs_are_summarized_whichever_fields_the_server_reports() -> None:
+    before = [{"capacity_streams": 3, "engine_margin": 0.5, "admission_open": False}]  # a server without the new fields
+    summary = kit.summarize_admission_inputs(before)
+    assert summary["samples"] == 1 and summary["limit_reasons"] is None
+    assert summary["numbers"]["capacity_streams"] == {"min": 3, "median": 3, "max": 3}
+    assert summary["numbers"]["lead_p5_s"] is None and summary["numbers"]["codec_pass_ms_p99"] is None
+    after = [{"capacity_streams": c, "limit_reason": r, "lead_p5_s": lead, "playing_streams": None}
+             for c, r, lead in ((10, "lead", 0.8), (40, "model", 1.2), (20, "lead", 1.0), (None, "slots", None))]
+    summary = kit.summarize_admission_inputs(after)
+    assert summary["numbers"]["capacity_streams"] == {"min": 10, "median": 20, "max": 40}
+    assert summary["numbers"]["lead_p5_s"] == {"min": 0.8, "median": 1.0, "max": 1.2}
+    assert summary["numbers"]["playing_streams"] is None
+    assert summary["limit_reasons"] == {"lead": 2, "model": 1, "slots": 1}
+    assert set(summary["numbers"]) == set(report.ADMISSION_NUMBERS)
+    assert kit.summarize_admission_inputs([])["samples"] == 0
+
+
+def serve_row(concurrency: int, **changes: object) -> dict[str, object]:
+    row: dict[str, object] = {
+        "concurrency": concurrency, "requests": concurrency, "succeeded": concurrency, "ttfb_p50_ms": 90.0,
+        "ttfb_p95_ms": 140.0, "realtime_of_started": 1.0, "underrun_events": 0, "underrun_streams": 0,
+        "stream_audio_s_min": 3.413, "stream_audio_s_max": 3.413, "audio_seconds_per_second": 10.0,
+        "tokens_per_s": 800.0, "admitted_peak": concurrency, "capacity_at_saturation": None,
+        "server_cpu_s_per_audio_s": 0.2, "gpu": {"util_mean_pct": 80.0}, "errors": 0, "short_streams": 0}
+    row.update(changes)
+    return row
+
+
+def test_the_serve_tables_show_the_admission_inputs_and_the_level_with_admission_fixed() -> None:
+    inputs = kit.summarize_admission_inputs([{"capacity_streams": 120, "limit_reason": "lead", "lead_p5_s": 1.5,
+                                              "loop_period_ms_p50": 12.0, "loop_period_ms_p99": 19.0}] * 3)
+    data = {"rows": [serve_row(16, admission_inputs=inputs)], "realtime_held": {"150": 16, "300": 16},
+            "admission_fixed": serve_row(16, admission="slots", admission_inputs=kit.summarize_admission_inputs(
+                [{"limit_reason": "slots"}])),
+            "max_tokens": 280, "expected_stream_audio_s": 3.413, "shapes": dataclasses.asdict(kit.REAL)}
+    table = report.render_serve(data)
+    assert "| 16 | 16 | 16 | 90.00 | 140.00 |" in table and "| 16 (admission slots) | 16 | 16 |" in table
+    assert "| 16 | 3 | lead 3 | 120 | - | - | - | - | 12.00 / 19.00 | - / - | - | 1.50 | - |" in table
+    assert "| 16 (admission slots) | 1 | slots 1 | - |" in table
+    assert "real-time streams at p95 TTFB < 150 ms: **16**" in table and "1 per stream" in table
+
+
+def test_the_serve_stage_covers_16_to_384_and_fits_the_first_call() -> None:
+    """The first call (540 s with a ~30 s machine start: `run.sh --budget 500 serve`) holds the warm-up, every
+    level and the level with admission fixed, each at its worst, on the H200's measured start-up times."""
+    from orpheus_serve.config import SchedulerConfig
+
+    shapes = kit.REAL
+    assert shapes.serve_levels[0] == 16 and shapes.serve_levels[-1] == 384
+    worst = kit.serve_level_worst_s(shapes, kit.expected_audio_s(shapes.serve_max_tokens),
+                                    SchedulerConfig().queue_timeout_s)
+    wheels_s, model_s, server_start_s, archive_s = 2, 8, 30, 10
+    planned = wheels_s + model_s + server_start_s + worst * (1 + len(shapes.serve_levels)) + server_start_s + worst
+    assert planned <= 500 - archive_s, planned
+    readme = (ROOT / "scripts" / "gpu" / "README.md").read_text()
+    assert "bash scripts/gpu/run.sh --budget 500 serve" in readme
+    assert "bash scripts/gpu/run.sh --budget 245 check codec engine" in readme
 
 
 def test_report_merges_stages_and_keeps_the_raw_json(tmp_path: Path) -> None:
     doc = tmp_path / "PERFORMANCE.md"
-    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    performance_doc(doc)
     original = doc.read_text()
     first = write_results(tmp_path / "call1", stage_json("engine"), stage_json("serve"))
     args = ["--doc", str(doc), "--raw-root", str(tmp_path / "raw")]
@@ -194,7 +295,7 @@ def test_report_merges_stages_and_keeps_the_raw_json(tmp_path: Path) -> None:
     assert merged.startswith(original.rstrip())  # the record above stays as it was
     assert merged.count("<!-- gpu-kit:begin -->") == 1
     assert "NVIDIA H100 80GB HBM3, driver 580.159.04, torch 2.11.0+cu130 (CUDA 13.0), 2026-12-01 10:00" in merged
-    raw = tmp_path / "raw" / "2026-12-01-nvidia-h100-80gb-hbm3"
+    raw = tmp_path / "raw" / "2026-12-01-h100-80gb-hbm3"
     assert json.loads((raw / "serve.json").read_text())["stage"] == "serve"
 
     # The second call's stages join the first's; a partial stage is merged, marked as such.
@@ -258,7 +359,7 @@ def test_a_failed_engine_sub_step_is_reported_not_merged_as_a_number(tmp_path: P
     run.data.update(ok=True, complete=False, env=stage_json("engine")["env"])
     run.save()
     doc = tmp_path / "PERFORMANCE.md"
-    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    performance_doc(doc)
     subprocess.run([*REPORT, str(run.results), "--doc", str(doc), "--raw-root", str(tmp_path / "raw"),
                     "--allow-dry-run"], check=True, capture_output=True)
     merged = doc.read_text()
@@ -284,7 +385,7 @@ def test_the_engine_stage_measures_adapters_and_variants(tmp_path: Path) -> None
     assert all(r["batch"] == 2 and r["context"] == 256 and r["tokens_per_s"] > 0 for r in variants["rows"])
 
     doc = tmp_path / "PERFORMANCE.md"
-    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
+    performance_doc(doc)
     subprocess.run([*REPORT, str(out), "--doc", str(doc), "--raw-root", str(tmp_path / "raw"), "--allow-dry-run"],
                    check=True, capture_output=True)
     merged = doc.read_text()
@@ -339,12 +440,12 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == sorted([*(f"{s}.json" for s in STAGES), "logs.tar.gz"])  # at most 8 files come back
+    assert files == sorted([*(f"{s}.json" for s in STAGES), "logs-check-engine-codec-serve.tar.gz"])  # at most 8 files come back
     datas = {s: json.loads((out / f"{s}.json").read_text()) for s in STAGES}
     for stage, data in datas.items():
         assert data["stage"] == stage and data["dry_run"] is True and data["ok"] is True, data["problems"]
         assert data["complete"] is True and data["table"].startswith("| ")
-    listing = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout
+    listing = subprocess.run(["tar", "-tzf", str(out / "logs-check-engine-codec-serve.tar.gz")], capture_output=True, text=True).stdout
     assert "logs/serve-server.log" in listing and "logs/check-pytest.log" in listing
 
     check = datas["check"]["pytest"]
@@ -374,13 +475,17 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
         for length in (row["stream_audio_s_min"], row["stream_audio_s_max"]):  # every utterance at full length
             assert length == pytest.approx(serve["expected_stream_audio_s"], abs=0.01)
         assert row["server_cpu_s_per_audio_s"] > 0
+        assert set(row["admission_inputs"]["numbers"]) == set(report.ADMISSION_NUMBERS)
+    fixed = serve["admission_fixed"]  # the top level again, on a server with admission fixed at the slots
+    assert fixed["admission"] == "slots" and fixed["concurrency"] == 2 and fixed["succeeded"] == fixed["requests"] == 2
+    assert "(admission slots)" in serve["table"]
 
     doc = tmp_path / "PERFORMANCE.md"
-    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", doc)
-    report = [*REPORT, str(out), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")]
-    refused = subprocess.run(report, capture_output=True, text=True)
+    performance_doc(doc)
+    merge = [*REPORT, str(out), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")]
+    refused = subprocess.run(merge, capture_output=True, text=True)
     assert refused.returncode != 0 and "dry run" in refused.stderr
-    subprocess.run([*report, "--allow-dry-run"], check=True, capture_output=True)
+    subprocess.run([*merge, "--allow-dry-run"], check=True, capture_output=True)
     assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
     assert "LoRA adapters in a batch of 2" in doc.read_text() and "| triton+fp8kv+fp8w | " in doc.read_text()
 
@@ -428,7 +533,7 @@ def test_a_stage_past_its_deadline_is_killed_with_its_whole_process_group(tmp_pa
     assert not alive, f"left running: {alive}"
     saved = json.loads((out / "serve.json").read_text())  # what the stage had written stays readable
     assert saved["stage"] == "serve" and saved["ok"] is False
-    assert (out / "logs.tar.gz").exists()
+    assert (out / "logs-serve.tar.gz").exists()
 
 
 def _state(pid: int) -> str:

@@ -4,7 +4,7 @@
     python scripts/gpu/kit.py STAGE --results DIR [--work DIR] [--deadline UNIX_TIME] [--dry-run]
     python scripts/gpu/kit.py imports STAGE... [--dry-run]   # only import what the stages import
 
-Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100, two stages a call):
+Stages (ARCHITECTURE §8; the card run is two calls, serve alone, then check, codec and engine: README.md):
 
 - check:  nvidia-smi, the torch and CUDA versions, and `pytest -m gpu` over the test files that
           have GPU tests. Fails unless some GPU test passed: on a GPU box, all of them skipping
@@ -31,7 +31,11 @@ Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100,
           arrivals spread over a ramp and fixed-length utterances (the model is random, so
           --max-tokens sets the length; each stream's length is checked). Real-time streams held at
           p95 TTFB under 150 ms and under 300 ms, server CPU per audio second (API and engine-core
-          processes), GPU utilisation sampled during the levels only.
+          processes), GPU utilisation sampled during the levels only, and the inputs of the admission
+          decision (`flow` in GET /v1/stats: capacity and its limit reason, engine and codec bounds,
+          margins, loop period, codec pass, lead p5) sampled every 0.5 s per level. Then the top level
+          measured runs again on a second server with `scheduler.admission=slots` (admitted while a slot
+          is free): the pipeline's own capacity, apart from the admission control's estimate.
 
 Every stage rewrites its STAGE.json (numbers, a Markdown table, `ok`, `complete`, `problems`) with
 an atomic rename after every piece it measures, and stops starting new pieces as its deadline nears:
@@ -48,11 +52,13 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -63,6 +69,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+
+from scripts.gpu.report import ADMISSION_NUMBERS, markdown_table, render_serve  # noqa: E402
 
 STAGES = ("check", "engine", "codec", "serve")
 TTFB_TARGETS_MS = (150.0, 300.0)
@@ -121,12 +129,17 @@ class Shapes:
     variant_batches: list[int] = field(default_factory=lambda: [128, 256])
     variant_context: int = 1024
     variants_min_s: float = 40.0  # the sub-step starts only with this left (one variant engine ~20 s)
+    # The codec stage stops starting batch sizes with less than this left, and measures the overlap with the
+    # engine only with more than codec_overlap_min_s left (it builds a 3B engine: ~10 s on an H200).
+    codec_batch_min_s: float = 15.0
+    codec_overlap_min_s: float = 20.0
 
 
 REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256], contexts=[256, 1024],
               steps=8, rounds=3, warmup=2, codec_batches=[1, 8, 32, 64, 128, 256], codec_passes=20,
-              overlap_batch=64, overlap_steps=64, serve_warmup_concurrency=4, serve_levels=[8, 16, 32, 64, 96, 128],
-              serve_requests_per_stream=2, serve_ramp_s=2.0, serve_max_tokens=280, serve_max_seq_len=1024)
+              overlap_batch=64, overlap_steps=64, serve_warmup_concurrency=4,
+              serve_levels=[16, 64, 128, 192, 256, 320, 384], serve_requests_per_stream=1, serve_ramp_s=1.0,
+              serve_max_tokens=280, serve_max_seq_len=1024)
 DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts=[256, 512], steps=2, rounds=1,
              warmup=1, codec_batches=[1, 2], codec_passes=2, overlap_batch=2, overlap_steps=4,
              serve_warmup_concurrency=1, serve_levels=[1, 2], serve_requests_per_stream=1, serve_ramp_s=0.2,
@@ -187,21 +200,6 @@ class StageRun:
             self.problem(f"{log_name.removesuffix('.log')} cut short (deadline)")
         print(text[-3000:], flush=True)
         return subprocess.CompletedProcess(cmd, code, text, "")
-
-
-def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        if isinstance(value, float):
-            return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
-        return str(value).replace("|", "/")
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def environment() -> dict[str, Any]:
@@ -623,7 +621,7 @@ def stage_codec(run: StageRun) -> None:
     with torch.inference_mode():
         decoder = StatefulDecoder(model, max_batch=max(shapes.codec_batches), noise=False)
         for batch in shapes.codec_batches:
-            if run.left() < 60:
+            if run.left() < shapes.codec_batch_min_s:
                 run.problem(f"codec batch {batch} and above not measured (deadline)")
                 break
             codec_passes(decoder, batch, 2, f"warm{batch}")
@@ -643,7 +641,7 @@ def stage_codec(run: StageRun) -> None:
             run.problem(f"{fidelity['dtype']} vs fp32 SNR {fidelity['snr_db']} dB < {fidelity['expected_min_db']} dB")
         render()
         run.save()
-        if run.left() > 45:
+        if run.left() > shapes.codec_overlap_min_s:
             run.data["overlap"] = _codec_engine_overlap(run, llama, decoder, codec_passes)
         else:
             run.problem("overlap not measured (deadline)")
@@ -811,29 +809,57 @@ def serve_overrides(shapes: Shapes, llama: Path, snac_dir: Path) -> list[str]:
     ]
 
 
+def summarize_admission_inputs(flows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The inputs of the admission decision over one level's samples of `flow` (GET /v1/stats): per number,
+    min / median / max over the samples that reported it (None when none did: a server without the field),
+    and how many samples gave each `limit_reason`."""
+    numbers: dict[str, dict[str, float] | None] = {}
+    for name in ADMISSION_NUMBERS:
+        values = sorted(v for flow in flows if isinstance(v := flow.get(name), int | float)
+                        and not isinstance(v, bool))
+        numbers[name] = {"min": values[0], "median": round(statistics.median(values), 4),
+                         "max": values[-1]} if values else None
+    reasons = Counter(str(reason) for flow in flows if (reason := flow.get("limit_reason")) is not None)
+    return {"samples": len(flows), "numbers": numbers, "limit_reasons": dict(sorted(reasons.items())) or None}
+
+
+def serve_level_worst_s(shapes: Shapes, expected_s: float, queue_timeout_s: float) -> float:
+    """The longest a level can take: the ramp, a request's whole wait in the queue, then its utterances
+    (at most twice real time), and the level's own set-up."""
+    return shapes.serve_ramp_s + queue_timeout_s + 2 * expected_s * shapes.serve_requests_per_stream + 5
+
+
 def stage_serve(run: StageRun) -> None:
+    """Warm-up, the levels, then one level on a second server with admission fixed at the slot count (the
+    top level measured, one utterance per stream): the levels with the admission control, that one without."""
     from orpheus_serve.benchmarking.launch import LaunchedServer
     from orpheus_serve.benchmarking.runner import LoadSpec, Target, measure
+    from orpheus_serve.config import SchedulerConfig
 
     shapes = run.shapes
     llama, snac_dir = ensure_models(run)
     overrides = serve_overrides(shapes, llama, snac_dir)
     expected = expected_audio_s(shapes.serve_max_tokens)
     frame_s = expected / max(1, shapes.serve_max_tokens // 7)
+    level_worst_s = serve_level_worst_s(shapes, expected, SchedulerConfig().queue_timeout_s)
     rows: list[dict[str, Any]] = []
     run.data.update(overrides=overrides, protocol="grpc", max_tokens=shapes.serve_max_tokens,
                     expected_stream_audio_s=round(expected, 3), ttfb_targets_ms=list(TTFB_TARGETS_MS),
-                    warmup=None, rows=rows, realtime_held={})
+                    warmup=None, rows=rows, realtime_held={}, admission_fixed=None, level_worst_s=level_worst_s)
 
-    def spec(concurrency: int, seed: int) -> LoadSpec:
+    def spec(concurrency: int, seed: int, per_stream: int = shapes.serve_requests_per_stream) -> LoadSpec:
         # Short texts only (voice-agent turns, one sentence): one chunk each, so max_tokens fixes every length.
-        return LoadSpec(requests=concurrency * shapes.serve_requests_per_stream, concurrency=concurrency,
-                        protocol="grpc", seed=seed, max_tokens=shapes.serve_max_tokens, ramp_s=shapes.serve_ramp_s,
-                        text_mix=(1.0, 0.0, 0.0))
+        return LoadSpec(requests=concurrency * per_stream, concurrency=concurrency, protocol="grpc", seed=seed,
+                        max_tokens=shapes.serve_max_tokens, ramp_s=shapes.serve_ramp_s, text_mix=(1.0, 0.0, 0.0))
 
-    def level_estimate_s(concurrency: int) -> float:
-        # Closed loop: requests/concurrency utterances back to back, each at least real time, plus the ramp.
-        return shapes.serve_requests_per_stream * expected * 2 + shapes.serve_ramp_s + 10
+    def level(target: Target, gpu: GpuSampler, load: LoadSpec) -> dict[str, Any]:
+        """One level, with GPU use and the admission inputs sampled while it runs."""
+        flows: list[dict[str, Any]] = []
+        with gpu.window() as usage:
+            row = measure(target, load, on_stats=lambda stats: flows.append(stats.get("flow") or {}))
+        row["gpu"] = usage
+        row["admission_inputs"] = summarize_admission_inputs(flows)
+        return row
 
     def check_lengths(row: dict[str, Any]) -> None:
         shortest = row.get("stream_audio_s_min")
@@ -848,18 +874,7 @@ def stage_serve(run: StageRun) -> None:
 
     def render() -> None:
         run.data["realtime_held"] = {f"{t:g}": realtime_held(rows, t) for t in TTFB_TARGETS_MS}
-        run.table = markdown_table(
-            ["concurrent", "requests", "ok", "TTFB p50 ms", "TTFB p95 ms", "real-time of started", "underruns",
-             "stream audio s (min-max)", "audio s / s", "tokens/s", "server CPU s / audio s", "GPU util % (mean)"],
-            [[r["concurrency"], r["requests"], r["succeeded"], r["ttfb_p50_ms"], r["ttfb_p95_ms"],
-              r["realtime_of_started"], r["underrun_events"], f"{r['stream_audio_s_min']}-{r['stream_audio_s_max']}",
-              r["audio_seconds_per_second"], r["tokens_per_s"], r["server_cpu_s_per_audio_s"],
-              r["gpu"].get("util_mean_pct")] for r in rows])
-        held = run.data["realtime_held"]
-        run.table += "\n\n" + "; ".join(
-            f"real-time streams at p95 TTFB < {t} ms: **{n if n is not None else 'none'}**" for t, n in held.items())
-        run.table += (f" (gRPC, {shapes.serve_max_tokens}-token utterances = {expected:.2f} s of audio each, "
-                      f"arrivals spread over {shapes.serve_ramp_s:g} s; engine core in its own process)")
+        run.table = render_serve(run.data)
 
     started = time.monotonic()
     server = LaunchedServer(overrides, log_path=run.logs / "serve-server.log",
@@ -867,23 +882,21 @@ def stage_serve(run: StageRun) -> None:
     with server, GpuSampler() as gpu:
         run.data["server_start_s"] = round(time.monotonic() - started, 1)
         print(f"server ready in {run.data['server_start_s']} s", flush=True)
+        # Kept for the level with admission fixed: a second server start, then one level.
+        fixed_reserve_s = run.data["server_start_s"] + level_worst_s
         target = Target(server.url, server.grpc_addr)
-        with gpu.window() as usage:
-            warm = measure(target, spec(shapes.serve_warmup_concurrency, seed=99))
-        warm["gpu"] = usage
-        run.data["warmup"] = warm
+        run.data["warmup"] = level(target, gpu, spec(shapes.serve_warmup_concurrency, seed=99))
         run.save()
         for index, concurrency in enumerate(shapes.serve_levels):
-            if run.left() < level_estimate_s(concurrency) + 20:
+            if run.left() < level_worst_s + fixed_reserve_s + 10:
                 run.problem(f"levels {shapes.serve_levels[index:]} not measured (deadline)")
                 break
-            with gpu.window() as usage:
-                row = measure(target, spec(concurrency, seed=index))
-            row["gpu"] = usage
+            row = level(target, gpu, spec(concurrency, seed=index))
             check_lengths(row)
             rows.append(row)
             print(f"serve {concurrency}: TTFB p95 {row['ttfb_p95_ms']} ms, {row['succeeded']}/{row['requests']} ok, "
-                  f"underruns {row['underrun_events']}, GPU {usage.get('util_mean_pct')}%", flush=True)
+                  f"underruns {row['underrun_events']}, GPU {row['gpu'].get('util_mean_pct')}%, admission "
+                  f"{row['admission_inputs']['limit_reasons']}", flush=True)
             render()
             run.save()
         stats = target.stats()
@@ -894,7 +907,45 @@ def stage_serve(run: StageRun) -> None:
     if failed:
         run.problem(f"requests failed at concurrency {failed}")
     render()
-    run.data["complete"] = len(rows) == len(shapes.serve_levels)
+    run.save()
+    fixed = _serve_admission_fixed(run, overrides, max((r["concurrency"] for r in rows), default=None),
+                                   level, spec, level_worst_s)
+    if fixed is not None:
+        check_lengths(fixed)
+        run.data["admission_fixed"] = fixed
+        if fixed["errors"]:
+            run.problem(f"requests failed at concurrency {fixed['concurrency']} with admission fixed at the slots")
+    render()
+    run.data["complete"] = len(rows) == len(shapes.serve_levels) and fixed is not None
+
+
+def _serve_admission_fixed(run: StageRun, overrides: list[str], concurrency: int | None,
+                           level: Callable[..., dict[str, Any]], spec: Callable[..., Any],
+                           level_worst_s: float) -> dict[str, Any] | None:
+    """The top level measured, one utterance per stream, on a second server with `scheduler.admission=slots`:
+    every request is admitted while a slot is free, so what the pipeline carries shows apart from admission."""
+    from orpheus_serve.benchmarking.launch import LaunchedServer
+    from orpheus_serve.benchmarking.runner import Target
+
+    if concurrency is None:
+        run.problem("the level with admission fixed at the slots not measured: no level to repeat")
+        return None
+    start_s = run.data.get("server_start_s") or 30.0
+    if run.left() < start_s + level_worst_s:
+        run.problem(f"the level with admission fixed at the slots not measured: {run.left():.0f} s left, "
+                    f"{start_s + level_worst_s:.0f} s needed (deadline)")
+        return None
+    fixed_overrides = [*overrides, "scheduler.admission=slots"]
+    started = time.monotonic()
+    server = LaunchedServer(fixed_overrides, log_path=run.logs / "serve-slots-server.log",
+                            ready_timeout_s=max(30.0, run.left() - level_worst_s))
+    with server, GpuSampler() as gpu:
+        print(f"server (admission=slots) ready in {time.monotonic() - started:.1f} s", flush=True)
+        row = level(Target(server.url, server.grpc_addr), gpu, spec(concurrency, seed=77, per_stream=1))
+    row.update(admission="slots", overrides=["scheduler.admission=slots"])
+    print(f"serve {concurrency} (admission=slots): TTFB p95 {row['ttfb_p95_ms']} ms, "
+          f"{row['succeeded']}/{row['requests']} ok, underruns {row['underrun_events']}", flush=True)
+    return row
 
 
 STAGE_FUNCS: dict[str, Callable[[StageRun], None]] = {

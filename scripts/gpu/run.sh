@@ -7,9 +7,11 @@
 # 600). Each stage gets what is left of it, less a floor kept for each later stage, and runs under
 # `timeout`, which signals the stage's whole process group (the server and its engine core with it):
 # no process is left holding GPU memory. Stages write STAGE.json after every piece they measure.
+# The card run is two calls (scripts/gpu/README.md): `--budget 500 serve`, then
+# `--budget 245 check codec engine` (the engine stage last: it fits its pieces to whatever is left).
 #
-# Results: STAGE.json per stage and logs.tar.gz (every log of the call, one archive) under $OUT when it
-# is set, else gpu-results/. Then, here:
+# Results: STAGE.json per stage and logs-STAGES.tar.gz (every log of the call, one archive named by its
+# stages, so two calls' archives sit side by side) under $OUT when it is set, else gpu-results/. Then, here:
 #   python scripts/gpu/report.py RESULTS_DIR        # docs/gpu-results/<date>-<card>/ and docs/PERFORMANCE.md
 #
 # On a bare box the wheels from scripts/gpu/prepare.sh (.whl/, carried with the tree; KIT_WHEELS names
@@ -38,8 +40,10 @@ done
 [ ${#STAGES[@]} -ge 1 ] || usage
 DEADLINE=$((START + BUDGET))
 
-# The least each stage needs to show anything (seconds): kept back for the stages after the running one.
-floor() { case "$1" in check) echo 45 ;; engine) echo 120 ;; codec) echo 60 ;; serve) echo 180 ;; esac; }
+# The least each stage needs (seconds), kept back for the stages after the running one. On an H200 check
+# took 46 s and codec 35 s; engine is sized to ~150 s (its pieces stop by its deadline); serve's levels
+# stop starting once one more would not fit.
+floor() { case "$1" in check) echo 50 ;; engine) echo 135 ;; codec) echo 40 ;; serve) echo 180 ;; esac; }
 
 RESULTS=${OUT:-gpu-results}
 WORK=${KIT_WORK:-/tmp/orpheus-gpu-kit}
@@ -62,7 +66,8 @@ fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-archive_logs() { tar -czf "$RESULTS/logs.tar.gz.tmp" -C "$WORK" logs && mv "$RESULTS/logs.tar.gz.tmp" "$RESULTS/logs.tar.gz"; }
+LOGS="logs-$(IFS=-; echo "${STAGES[*]}").tar.gz"
+archive_logs() { tar -czf "$RESULTS/$LOGS.tmp" -C "$WORK" logs && mv "$RESULTS/$LOGS.tmp" "$RESULTS/$LOGS"; }
 
 status=0
 for i in "${!STAGES[@]}"; do

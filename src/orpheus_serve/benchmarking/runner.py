@@ -133,11 +133,14 @@ async def _watch_loop_lag(lags: list[float]) -> None:
 
 class _GatewayLagSampler:
     """The server's flow.gateway_lag_ms, and its admission state (sessions generating, the capacity estimate,
-    whether admission is closed), sampled every `every_s` from /v1/stats on a thread of its own."""
+    whether admission is closed), sampled every `every_s` from /v1/stats on a thread of its own; each whole
+    sample also goes to `on_stats` when given (a caller keeping more of it)."""
 
-    def __init__(self, target: Target, every_s: float = 0.5) -> None:
+    def __init__(self, target: Target, every_s: float = 0.5,
+                 on_stats: Callable[[dict[str, Any]], None] | None = None) -> None:
         self._target = target
         self._every_s = every_s
+        self._on_stats = on_stats
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-lag-sampler", daemon=True)
         self.samples: list[float] = []
@@ -156,6 +159,8 @@ class _GatewayLagSampler:
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
             stats = self._target.stats()
+            if self._on_stats is not None:
+                self._on_stats(stats)
             flow = stats.get("flow", {})
             lag = flow.get("gateway_lag_ms")
             if lag is not None:
@@ -194,11 +199,13 @@ class _GatewayLagSampler:
         }
 
 
-def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """One load level: client-side summary plus what the server says it spent."""
+def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None,
+            on_stats: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One load level: client-side summary plus what the server says it spent. `on_stats` gets every
+    /v1/stats sample taken during the level (every 0.5 s)."""
     before = target.stats()
     client_lags: list[float] = []
-    with _GatewayLagSampler(target) as gateway:
+    with _GatewayLagSampler(target, on_stats=on_stats) as gateway:
         results, wall = asyncio.run(run_load(target, spec, progress=progress, lags=client_lags))
     after = target.stats()
     row: dict[str, Any] = {"concurrency": spec.concurrency, "protocol": spec.protocol, **summarize(results, wall)}

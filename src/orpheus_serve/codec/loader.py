@@ -13,6 +13,11 @@
   by a generator of its own (`seed=...`: reproducible from run to run);
 - optionally the decoder wrapped in `torch.compile` (CUDA only).
 
+An FP32 codec computes in full FP32 on CUDA too: every decode here runs inside
+`full_fp32_convolutions`, which keeps cuDNN from running FP32 convolutions in
+TF32 (PyTorch's default on Ampere and later: 10 mantissa bits, ~60 dB against
+IEEE FP32) for the length of the decode only. FP16 / BF16 codecs are untouched.
+
 `decode_frames` is the batched primitive every decoder here builds on:
 [B, n, 7] frame codes to [B, n * 2048] samples. `decode_offline` is the
 one-shot decode of a whole utterance, the reference streamed audio is
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +184,28 @@ def load_snac(
     return model
 
 
+@contextmanager
+def full_fp32_convolutions(dtype: torch.dtype) -> Iterator[None]:
+    """Inside, an FP32 model's convolutions run in IEEE FP32 on CUDA, not TF32; other dtypes: nothing changes.
+
+    cuDNN's TF32 switch is process-wide in PyTorch (2.11 and 2.13 alike: `torch.backends.cudnn.allow_tf32`,
+    or the newer `torch.backends.cudnn.conv.fp32_precision`); there is no per-module or per-thread one. It is
+    set for the decode only and put back after, so the process's own setting holds everywhere else. The
+    engine runs no convolutions (matmuls have a switch of their own), so its steps are unaffected even while
+    a pass runs on another thread. The legacy switch is used: it sets conv and RNN alike, which keeps readers
+    of either API working (reading it with the two set apart raises). On a CPU the switch changes nothing."""
+    if dtype != torch.float32:
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    before = cudnn.allow_tf32
+    cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = before
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -193,7 +222,8 @@ def frames_to_codes(frames: torch.Tensor) -> list[torch.Tensor]:
 @torch.inference_mode()
 def decode_frames(model: SNAC, frames: torch.Tensor) -> torch.Tensor:
     """[B, n, 7] int64 codes (on the model's device) -> [B, n * 2048] samples, model dtype, same device."""
-    audio = model.decode(frames_to_codes(frames))  # [B, 1, n * 2048]
+    with full_fp32_convolutions(next(model.parameters()).dtype):
+        audio = model.decode(frames_to_codes(frames))  # [B, 1, n * 2048]
     return audio[:, 0, :]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, frames_to_snac_codes
 from .base import CodecPush, CodecResult
+from .loader import full_fp32_convolutions
 
 WINDOW_FRAMES = 4
 KEEP = slice(SAMPLES_PER_FRAME, 2 * SAMPLES_PER_FRAME)
@@ -74,5 +75,6 @@ class ReferenceWindowDecoder:
         c0, c1, c2 = (
             torch.from_numpy(np.stack([c[k] for c in codes])).to(param.device) for k in range(3)
         )  # [B, 4], [B, 8], [B, 16]
-        audio = self.model.decode([c0, c1, c2])  # [B, 1, 8192]
+        with full_fp32_convolutions(param.dtype):
+            audio = self.model.decode([c0, c1, c2])  # [B, 1, 8192]
         return audio[:, 0].float().cpu().numpy()

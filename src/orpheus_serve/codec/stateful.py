@@ -75,7 +75,7 @@ from orpheus_serve.codec.base import STATEFUL_STEP_FRAMES, CodecPush, CodecResul
 from orpheus_serve.codec.transfer import HostTransfer
 from orpheus_serve.token_format import TOKENS_PER_FRAME, frames_to_snac_codes
 
-from .loader import SeededNoiseBlock
+from .loader import SeededNoiseBlock, full_fp32_convolutions
 
 # Codebook strides the 7-token Orpheus frame layout is defined for: per frame, 1 + 2 + 4 codes.
 _ORPHEUS_VQ_STRIDES = (4, 2, 1)
@@ -398,7 +398,7 @@ class StatefulDecoder:
         self.sample_rate: int = int(model.sampling_rate)
         self.codebook_size: int = int(model.codebook_size)
 
-        with torch.no_grad():
+        with torch.no_grad(), full_fp32_convolutions(self.dtype):
             # Per codebook, the latent each code contributes: out_proj(embedding), a [codebook_size, D] table.
             self._latent_tables = [
                 F.conv1d(q.codebook.weight.t()[None], _folded_weight(q.out_proj), _bias(q.out_proj))[0].t().contiguous()
@@ -440,7 +440,7 @@ class StatefulDecoder:
             raise ValueError("at most one push per session key per decode call")
         frames_per_push = [self._checked_frames(push) for push in pushes]
 
-        with torch.inference_mode():
+        with torch.inference_mode(), full_fp32_convolutions(self.dtype):
             work: list[_Work] = []
             for push, frames in zip(pushes, frames_per_push, strict=True):
                 session = self._sessions.get(push.key)

@@ -54,7 +54,7 @@ from snac import SNAC
 from ..token_format import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .base import CodecPush, CodecResult
 from .cropped import CroppedDecoder
-from .loader import check_frames, decode_frames, model_device
+from .loader import check_frames, decode_frames, full_fp32_convolutions, model_device
 from .transfer import HostTransfer
 
 # Real frames kept before a session's left context, to pad windows with true history.
@@ -295,7 +295,8 @@ class WindowedDecoder:
                 windows.append(window)
             updates.append((push.key, None if push.final else state))
 
-        pcm = self.batcher.run(windows)
+        with full_fp32_convolutions(next(self.batcher.model.parameters()).dtype):
+            pcm = self.batcher.run(windows)
 
         for key, state in updates:
             if state is None:

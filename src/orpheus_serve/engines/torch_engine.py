@@ -68,7 +68,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -113,6 +113,25 @@ class _Session:
     lora_entry: int = 0  # its pool entry; 0: the base model
 
 
+class GraphKey(NamedTuple):
+    """One captured decode graph: the padded batch size, the top of its KV length bucket, and whether it runs
+    the LoRA work (with an adapter pool each shape is captured twice, so a step without adapters replays a
+    graph without LoRA work)."""
+
+    batch: int
+    kv_len: int
+    with_lora: bool
+
+
+def decode_graph_keys(*, max_batch_size: int, max_seq_len: int, attention: str, lora: bool) -> list[GraphKey]:
+    """The decode graphs an engine captures on CUDA, largest first (the capture order). The Triton kernel's
+    shapes do not depend on the context: one length bucket, the whole sequence."""
+    kv_lens = [max_seq_len] if attention == "triton" else padded_sizes(max_seq_len, GRAPH_KV_BUCKET)
+    variants = (False, True) if lora else (False,)
+    return [GraphKey(batch, kv_len, with_lora) for batch in reversed(padded_sizes(max_batch_size))
+            for kv_len in reversed(kv_lens) for with_lora in variants]
+
+
 class DecodeGraphs:
     """`Transformer.decode` (to hidden states) captured as CUDA graphs, one per (padded batch size, KV length bucket).
 
@@ -121,16 +140,16 @@ class DecodeGraphs:
     replayed one at a time on the engine's stream.
     """
 
-    def __init__(self, model: Transformer, *, batch_sizes: Sequence[int], kv_lens: Sequence[int],
-                 scratch_slot: int, stream: torch.cuda.Stream, lora_pool: LoraPool | None = None) -> None:
+    def __init__(self, model: Transformer, *, keys: Sequence[GraphKey], scratch_slot: int,
+                 stream: torch.cuda.Stream, lora_pool: LoraPool | None = None) -> None:
         device = model.output.weight.device
-        self.batch_sizes = sorted(batch_sizes)
-        self.kv_lens = sorted(kv_lens)
+        if any(key.with_lora for key in keys) and lora_pool is None:
+            raise EngineError("decode graphs with LoRA need the adapter pool")
+        self.batch_sizes = sorted({key.batch for key in keys})
+        self.kv_lens = sorted({key.kv_len for key in keys})
         self.scratch_slot = scratch_slot
         max_batch = self.batch_sizes[-1]
-        # (batch, kv_len, with LoRA): with a pool, each shape is captured twice, so a step without
-        # adapters replays a graph without LoRA work (pool mode: the entries buffer selects adapters).
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         # Whatever the caller queued on its stream (weights, caches) comes before the capture, and the
         # static inputs are made on the capture stream itself: a graph never reads a buffer whose
@@ -141,19 +160,15 @@ class DecodeGraphs:
             self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
             self.lora_entries = torch.zeros(max_batch, dtype=torch.int64, device=device)
-            variants = (False, True) if lora_pool is not None else (False,)
-            # Largest first: the shared pool is sized by the first capture and reused by the rest.
-            for batch in reversed(self.batch_sizes):
-                for kv_len in reversed(self.kv_lens):
-                    for with_lora in variants:
-                        lora = LoraBatch(lora_pool, entries=self.lora_entries[:batch]) if with_lora and lora_pool else None
-                        args = (self.tokens[:batch], self.slots[:batch], self.positions[:batch], kv_len, lora)
-                        for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
-                            model.decode(*args)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                            hidden = model.decode(*args)  # [batch, dim]
-                        self.graphs[(batch, kv_len, with_lora)] = (graph, hidden)
+            for key in keys:  # largest first: the shared pool is sized by the first capture, reused by the rest
+                lora = LoraBatch(lora_pool, entries=self.lora_entries[:key.batch]) if key.with_lora and lora_pool else None
+                args = (self.tokens[:key.batch], self.slots[:key.batch], self.positions[:key.batch], key.kv_len, lora)
+                for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
+                    model.decode(*args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    hidden = model.decode(*args)  # [batch, dim]
+                self.graphs[key] = (graph, hidden)
         stream.synchronize()
 
     def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
@@ -173,9 +188,25 @@ class DecodeGraphs:
         if lora_entries is not None:
             self.lora_entries[:n].copy_(lora_entries)
             self.lora_entries[n:batch].zero_()
-        graph, hidden = self.graphs[(batch, bucket, lora_entries is not None)]
+        graph, hidden = self.graphs[GraphKey(batch, bucket, lora_entries is not None)]
         graph.replay()
         return hidden[:n]
+
+
+def resolved_device(device: torch.device, current_index: int) -> torch.device:
+    """`device` with its index: one given without an index (`cuda`) means the current device of its type."""
+    return device if device.index is not None else torch.device(device.type, current_index)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` name one device: `cuda` is `cuda:N` for the current CUDA device N (weights report
+    their device with its index, an engine keeps the one it was given)."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return resolved_device(a, current) == resolved_device(b, current)
 
 
 def _attention_kernel(name: str, device: torch.device) -> str:
@@ -243,7 +274,7 @@ class TorchEngine:
         with self._on_stream():
             if model is None:
                 model = load_transformer(folder, dtype=self.dtype, device=self.device)
-            elif model.output.weight.device != self.device or model.output.weight.dtype != self.dtype:
+            elif not same_device(model.output.weight.device, self.device) or model.output.weight.dtype != self.dtype:
                 raise EngineError(f"shared model is {model.output.weight.dtype} on {model.output.weight.device}, "
                                   f"this engine runs {self.dtype} on {self.device}")
             self.model = model
@@ -293,14 +324,19 @@ class TorchEngine:
         assert self._stream is not None
         started = time.perf_counter()
         with torch.inference_mode(), self._on_stream():
-            self._graphs = DecodeGraphs(
-                self.model, batch_sizes=padded_sizes(self.max_batch_size),
-                # The Triton kernel's shapes do not depend on the context: one length bucket.
-                kv_lens=[self.max_seq_len] if self.attention == "triton"
-                else padded_sizes(self.max_seq_len, GRAPH_KV_BUCKET),
-                scratch_slot=self.num_slots, stream=self._stream,
-                lora_pool=self.lora.pool if self.lora is not None else None)
+            self._graphs = DecodeGraphs(self.model, keys=self.planned_graph_keys(), scratch_slot=self.num_slots,
+                                        stream=self._stream, lora_pool=self.lora.pool if self.lora is not None else None)
         logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
+
+    def planned_graph_keys(self) -> list[GraphKey]:
+        """The decode graphs this engine's configuration captures on CUDA (whatever its device)."""
+        return decode_graph_keys(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
+                                 attention=self.attention, lora=self.lora is not None)
+
+    @property
+    def graph_keys(self) -> list[GraphKey]:
+        """The decode graphs captured (none without CUDA graphs)."""
+        return list(self._graphs.graphs) if self._graphs is not None else []
 
     @classmethod
     def from_config(cls, config: Config) -> TorchEngine:
@@ -309,8 +345,9 @@ class TorchEngine:
         device = resolve_device(config.engine.device)
         codec = config.codec
         # SNAC loads after the engine: on the same GPU its share is kept out of the engine's plan.
-        same_device = codec.decoder != "sim" and torch.device(resolve_device(codec.device)) == torch.device(device)
-        codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if same_device else 0
+        codec_beside = codec.decoder != "sim" and same_device(torch.device(resolve_device(codec.device)),
+                                                              torch.device(device))
+        codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if codec_beside else 0
         return cls(
             config.engine.model_path,
             num_slots=config.scheduler.max_concurrent_sessions,
