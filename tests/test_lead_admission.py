@@ -30,7 +30,8 @@ def streams(clock: FakeClock, n: int, *, prefix: str = "s") -> list[Session]:
 
 
 def play(clock: FakeClock, sessions: list[Session], seconds: float, rate: float | list[float],
-         admission: LeadAdmission, *, model_limit: int, slots: int = 512) -> list[int]:
+         admission: LeadAdmission, *, model_limit: int, slots: int = 512,
+         codec_busy: float | None = None) -> list[int]:
     """Advance `seconds` with each session producing `rate` x real time (one rate, or one per session): its
     client's lead moves by rate - 1 per second, capped at 3 s, and a client that runs dry stalls. The limit is
     asked for every 10 ms; returns the limits seen."""
@@ -50,7 +51,8 @@ def play(clock: FakeClock, sessions: list[Session], seconds: float, rate: float 
                 s.stalls += 1
                 lead = 0.05
             s.playback_end_s = clock() + min(lead, 3.0)
-        seen.append(admission.update(clock(), sessions, demand=len(sessions), model_limit=model_limit, slots=slots))
+        seen.append(admission.update(clock(), sessions, demand=len(sessions), model_limit=model_limit, slots=slots,
+                                     codec_busy=codec_busy))
     return seen
 
 
@@ -153,3 +155,21 @@ def test_a_stall_counts_as_falling() -> None:
     clock.advance(TICK_S)
     admission.update(clock(), sessions, demand=4, model_limit=4, slots=64)
     assert admission.last is not None and admission.last.falling == 1
+
+
+def test_a_full_codec_holds_and_backs_off_admission_whatever_the_engine_produces() -> None:
+    # The codec holds a stream back only once its backlog is a second deep; its busy share says so at once.
+    # Twenty streams produced at 3x real time (the engine has room for 57): the codec decides.
+    for busy, expect in ((0.4, "grow"), (0.9, "hold"), (1.0, "back off")):
+        clock = FakeClock()
+        admission = controller()
+        sessions = streams(clock, 20)
+        admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
+        limits = play(clock, sessions, 1.6, 3.0, admission, model_limit=20, codec_busy=busy)
+        assert admission.last is not None and admission.last.codec_busy == busy and admission.last.falling == 0
+        if expect == "grow":  # to the codec's spare time, 20 * 0.8 / 0.4 = 40, not the engine's 57
+            assert max(limits) == 30 and admission.limit == 30, max(limits)  # 1.5x at a time: 20 -> 30
+        elif expect == "hold":
+            assert set(limits) == {20}
+        else:  # to 20 * 0.8 / 1.0, though every stream keeps real time (the floor counts streams, not the codec)
+            assert min(limits) == 20, limits

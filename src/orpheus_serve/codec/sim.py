@@ -45,6 +45,8 @@ class SimDecoder:
         self.card = card if realtime else None
         self.max_batch = max_batch
         self.lookahead_frames = 0 if self.card is None else self.card.profile.codec_lookahead_frames
+        # Replaying the stateful decoder, its step shapes (the codec worker evens its passes to them).
+        self.step_frames = None if self.card is None else STATEFUL_STEP_FRAMES
 
     def decode(self, pushes: Sequence[CodecPush]) -> list[CodecResult]:
         started = time.perf_counter()

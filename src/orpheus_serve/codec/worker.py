@@ -23,7 +23,12 @@ frames in all, and fewer when the measured cost per frame says the pass would
 take longer than `max_pass_s` (a CPU codec at ~20 ms a frame: a 64-frame pass
 would keep every client waiting for a second); each session contributes at
 most `max_frames_per_session` of its pending frames; the rest stays pending,
-in order, for the next pass.
+in order, for the next pass. Passes are even where the decoder has fixed step sizes (the stateful
+decoder's 1, 2, 4 frames): a decoder advances every row of a forward step by the same number of frames, so
+pushes of unequal lengths cost a step each (`codec.base.step_schedule`), and on a GPU a step is a few
+hundred kernel launches whatever its batch. Every streaming session brings the pass's step (the largest
+size at least half of them have pending); one short of it waits for more unless its client holds under
+`URGENT_HELD_S`. First pushes and final ones come whole.
 Sessions whose audio has not started go first (their client waits for its
 first byte: they may bring their whole first push), then the sessions whose
 clients hold the least audio (`held_audio_s`, the scheduler's playback model),
@@ -69,6 +74,8 @@ log = logging.getLogger(__name__)
 
 # Cancelled keys remembered to discard their late pushes; old entries are forgotten first.
 CLOSED_KEYS_REMEMBERED = 65536
+# A streaming session short of a pass's even step waits for more frames while its client holds this much.
+URGENT_HELD_S = 0.25
 
 
 
@@ -340,13 +347,23 @@ class CodecWorker:
                 return (0, 0.0, arrival[key])  # no audio yet: its client waits for the first byte
             return (1, held.get(key, 0.0), arrival[key])
 
+        def share_of(key: Hashable, entry: _Pending) -> int:
+            # A session before its first audio brings its whole first push (up to the hard bound).
+            return min(entry.count, self.max_frames_per_pass if key not in self._started
+                       else self.max_frames_per_session)
+
+        even = self._even_frames({key: share_of(key, e) for key, e in self._pending.items()
+                                  if key in self._started and not e.final})
         budget = self._pass_budget()
         batch: list[tuple[CodecPush, int]] = []
         for key in sorted(self._pending, key=rank):
             entry = self._pending[key]
-            # A session before its first audio brings its whole first push (up to the hard bound).
-            share = min(entry.count, self.max_frames_per_pass if key not in self._started
-                        else self.max_frames_per_session)
+            share = share_of(key, entry)
+            if even is not None and key in self._started and not entry.final:
+                if share >= even:
+                    share = even
+                elif held.get(key, 0.0) >= URGENT_HELD_S and batch:
+                    continue  # short of the pass's step: it waits for more frames while its client holds plenty
             # The first session of a pass always brings its whole share: a pass makes progress.
             take = share if not batch else min(share, budget)
             if take == 0 and not (entry.final and entry.count == 0):
@@ -361,6 +378,18 @@ class CodecWorker:
             batch.append((push, pushes))
             budget -= take
         return batch
+
+    def _even_frames(self, shares: dict[Hashable, int]) -> int | None:
+        """Frames every streaming session brings to this pass: the largest of the decoder's step sizes that at
+        least half of them have pending, so the pass is one forward step for most of its rows (a decoder
+        advances all rows of a step by the same count; unequal pushes cost a step each: codec.base.step_schedule).
+        None: the decoder has no fixed step sizes, or nothing is streaming."""
+        sizes = getattr(self.decoder, "step_frames", None)
+        if not sizes or not shares:
+            return None
+        counts = sorted(shares.values(), reverse=True)
+        median = counts[(len(counts) - 1) // 2]  # at least half have this many
+        return max((n for n in sizes if n <= median), default=min(sizes))
 
     def _pass_budget(self) -> int:
         """Frames this pass may take: max_frames_per_pass, or what fits in max_pass_s at the measured cost."""

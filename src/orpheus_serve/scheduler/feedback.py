@@ -88,7 +88,7 @@ class SchedulerFeedback:
     def record_codec_pass(self, frames: int, seconds: float) -> None:
         """One codec worker pass: `frames` decoded in `seconds`."""
         with self._lock:
-            self._flow.observe_codec_pass(frames, seconds)
+            self._flow.observe_codec_pass(frames, seconds, now=self._clock())
 
     def note_decoded(self, request_id: str, frames: int, samples: int, *, final: bool = False) -> None:
         """The codec ran `frames` more frames of this session and returned `samples` of audio;

@@ -50,7 +50,7 @@ from ..config import SchedulerConfig
 from ..token_format import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .capacity import CapacityEstimate, CapacityModel
 from .flush import FlushPolicy
-from .leads import LeadAdmission
+from .leads import WINDOW_S, LeadAdmission
 from .session import Session, SessionState
 
 GATEWAY_LAG_STALE_S = 2.0  # a gateway's lag report counts this long (they come every 50 ms)
@@ -96,6 +96,7 @@ class FlowStats:
     falling_streams: int | None = None
     lead_p5_s: float | None = None  # 5th percentile of their leads (audio their clients hold)
     slowest_production: float | None = None  # lowest production among those not ahead, x real time
+    codec_busy: float | None = None  # share of the last second the codec spent in passes
 
     def as_dict(self) -> dict[str, int | float | str | bool | None]:
         return asdict(self)
@@ -132,6 +133,7 @@ class FlowControl:
         self._limit_step = -1
         self._loop_periods: deque[float] = deque(maxlen=DIAGNOSTIC_SAMPLES)  # recent loop periods, s
         self._passes: deque[tuple[float, int]] = deque(maxlen=DIAGNOSTIC_SAMPLES)  # recent codec passes (s, frames)
+        self._pass_ends: deque[tuple[float, float]] = deque(maxlen=DIAGNOSTIC_SAMPLES)  # (clock at its end, s)
         self._estimate: CapacityEstimate | None = None  # cached for one scheduler step
         self._estimate_step = -1
         self._mean_context = 0.0  # tokens of context per decoded session, smoothed
@@ -158,10 +160,22 @@ class FlowControl:
             self._mean_context = per_session if not self._mean_context \
                 else 0.95 * self._mean_context + 0.05 * per_session
 
-    def observe_codec_pass(self, frames: int, seconds: float) -> None:
+    def observe_codec_pass(self, frames: int, seconds: float, *, now: float | None = None) -> None:
         self.capacity.observe_codec_pass(frames, seconds)
         if frames > 0 and seconds > 0:
             self._passes.append((seconds, frames))
+            if now is not None:
+                self._pass_ends.append((now, seconds))
+
+    def codec_busy(self, now: float) -> float | None:
+        """Share of the last `leads.WINDOW_S` the codec spent in passes (1: they ran back to back); None before
+        any pass."""
+        ends = self._pass_ends
+        if not ends:
+            return None
+        since = now - WINDOW_S
+        busy = sum(min(seconds, end - since) for end, seconds in ends if end > since)
+        return busy / WINDOW_S
 
     def gateway_lag(self, source: int, seconds: float, now: float) -> None:
         """API process `source`'s event loop runs `seconds` late (smoothed by the reporter)."""
@@ -281,7 +295,7 @@ class FlowControl:
         if self._limit is None or self._limit_step != step:
             self._limit = self.leads.update(now, admitted, demand=self.demand(admitted),
                                             model_limit=self.estimate(admitted, step).max_streams,
-                                            slots=self._num_slots)
+                                            slots=self._num_slots, codec_busy=self.codec_busy(now))
             self._limit_step = step
         return self._limit
 
@@ -389,6 +403,7 @@ class FlowControl:
             falling_streams=None if reading is None else reading.falling,
             lead_p5_s=None if reading is None or reading.lead_p5_s is None else round(reading.lead_p5_s, 3),
             slowest_production=None if reading is None or reading.slowest is None else round(reading.slowest, 3),
+            codec_busy=None if reading is None or reading.codec_busy is None else round(reading.codec_busy, 3),
         )
 
 

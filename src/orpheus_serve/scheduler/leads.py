@@ -9,6 +9,11 @@ reader, out of its first `MIN_AGE_S`):
   the stream, so the engine's pace, the codec's (a stream whose frames wait for the codec is held back,
   and produces less) and every host cost in between show in it.
 
+The **codec's load** is read beside them: the share of the last second it spent in passes. A codec
+working back to back is full whatever the streams' production says (its backlog holds a stream back
+only once it reaches `max_undecoded_frames`, a second of audio later), so past `CODEC_BUSY_HOLD` it
+counts as a falling stream would: admission holds, and past `CODEC_BUSY_BACK_OFF` it backs off.
+
 A stream **keeps real time** when its client's buffer is nearly full (it is ahead: flow control holds it),
 or when it produces at least `1 + margin` times real time (its lead grows) and its client has not run dry
 since the last reading. The others are **falling**. (The lead itself is no threshold: audio arrives in
@@ -17,11 +22,13 @@ pushes of two frames, so a stream running just ahead of real time holds anywhere
 The limit (streams admission allows) moves on those readings, never on a prediction:
 
 - **grow** while no stream falls and the streams fill the limit: to what the slowest producer's spare pace
-  says the engine carries (`demand * slowest / (1 + margin)`, at least one more), at most `GROW_FACTOR`
-  at a time and once per `GROW_EVERY_S`, so each rise is measured before the next;
+  says the engine carries (`demand * slowest / (1 + margin)`) and the codec's spare time says it carries
+  (`demand * CODEC_BUSY_HOLD / codec_busy`), at least one more, at most `GROW_FACTOR` at a time and once
+  per `GROW_EVERY_S`, so each rise is measured before the next;
 - **hold** (admit nobody more) while some fall but not more than `fall_share` of them;
-- **back off** when more fall: to `demand * median production / (1 + margin)` (at most 95% of demand),
-  once per `WINDOW_S`, so a back-off is measured before the next. Streams already playing are never cut:
+- **back off** when more fall: to `demand * median production / (1 + margin)` (at most 95% of demand;
+  for a full codec `demand * CODEC_BUSY_HOLD / codec_busy`), once per `WINDOW_S`, so a back-off is
+  measured before the next. Streams already playing are never cut:
   fewer are admitted as they end.
 
 The limit never drops below the streams keeping real time now: admission never holds back what the
@@ -35,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..token_format import TOKENS_PER_SECOND_REALTIME
 from .session import Session, SessionState
@@ -47,6 +54,8 @@ GROW_EVERY_S = 0.5
 GROW_FACTOR = 1.5
 AHEAD_SHARE = 0.8  # a client holding this share of max_client_buffer_s is ahead (flow control holds it back)
 MAX_BACK_OFF = 0.95  # a back-off admits at most this share of the streams running
+CODEC_BUSY_HOLD = 0.8  # the codec busy this share of the time admits nobody more
+CODEC_BUSY_BACK_OFF = 0.95  # and this share backs off
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,7 @@ class LeadReading:
     slowest: float | None  # lowest production of the streams not ahead, x real time
     median: float | None
     lead_p5_s: float | None  # 5th percentile of the read streams' leads
+    codec_busy: float | None = None  # share of the last second the codec spent in passes
 
 
 class LeadAdmission:
@@ -78,12 +88,13 @@ class LeadAdmission:
         self._stalls: dict[str, int] = {}
 
     def update(self, now: float, admitted: Collection[Session], *, demand: int, model_limit: int,
-               slots: int) -> int:
+               slots: int, codec_busy: float | None = None) -> int:
         """The limit now. `demand`: the streams that need real-time production; `model_limit`: the cost model's
-        prediction (used only while nothing can be read); `slots`: the ceiling."""
+        prediction (used only while nothing can be read); `slots`: the ceiling; `codec_busy`: the codec's share
+        of the last second in passes."""
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
-            self.last = self._read(now, admitted)
+            self.last = replace(self._read(now, admitted), codec_busy=codec_busy)
             self._decide(now, self.last, demand, model_limit)
         if self.limit is None:
             self.limit = model_limit
@@ -144,18 +155,25 @@ class LeadAdmission:
             return
         limit = self.limit if self.limit is not None else model_limit
         self.reason = "lead"
-        if reading.falling > self.fall_share * reading.playing:
+        codec = reading.codec_busy or 0.0
+        if reading.falling > self.fall_share * reading.playing or codec > CODEC_BUSY_BACK_OFF:
             if now - self._last_back_off >= WINDOW_S:
-                share = MAX_BACK_OFF if reading.median is None else min(MAX_BACK_OFF, reading.median / (1 + self.margin))
+                share = MAX_BACK_OFF
+                if reading.median is not None and reading.falling > self.fall_share * reading.playing:
+                    share = min(share, reading.median / (1 + self.margin))
+                if codec > CODEC_BUSY_BACK_OFF:
+                    share = min(share, CODEC_BUSY_HOLD / codec)
                 limit = min(limit, math.floor(demand * share))
                 self._last_back_off = now
             else:
                 limit = min(limit, demand)
-        elif reading.falling:
+        elif reading.falling or codec > CODEC_BUSY_HOLD:
             limit = min(limit, demand)
         elif demand >= limit and now - self._last_grow >= GROW_EVERY_S:
             target = limit + max(1, math.ceil(0.1 * limit)) if reading.slowest is None \
                 else math.floor(demand * reading.slowest / (1 + self.margin))
+            if codec > 0:
+                target = min(target, math.floor(demand * CODEC_BUSY_HOLD / codec))
             limit = min(max(target, limit + 1), math.ceil(limit * GROW_FACTOR))
             self._last_grow = now
         self.limit = max(limit, reading.keeping, 1)
