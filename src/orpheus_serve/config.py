@@ -95,6 +95,11 @@ class CodecConfig(_Strict):
     max_frames_per_pass: int = Field(64, ge=1)  # frames one worker pass may decode, across all sessions
     max_frames_per_session: int = Field(4, ge=1)  # frames one session may contribute to a pass (round-robin)
     max_pass_ms: float = Field(100.0, gt=0)  # and fewer frames when the measured pass would take longer (CPU)
+    # A pass waits up to max_pass_wait_ms for min_pass_frames to be pending, unless a client is short of audio or
+    # waits for its first: launch-bound passes (a GPU's stateful decoder) cost the same for 2 frames as for 32,
+    # and back-to-back small ones hold the interpreter the engine loop needs. 0 ms: never wait.
+    min_pass_frames: int = Field(32, ge=1)
+    max_pass_wait_ms: float = Field(20.0, ge=0)
     sim: SimCodecConfig = SimCodecConfig()
 
     @model_validator(mode="after")

@@ -193,7 +193,7 @@ class _GatewayLagSampler:
                                             "engine_margin", "codec_margin", "loop_period_ms_p50",
                                             "loop_period_ms_p99", "codec_pass_ms_p50", "codec_pass_ms_p99",
                                             "codec_frames_per_pass", "playing_streams", "keeping_streams",
-                                            "falling_streams")},
+                                            "falling_streams", "codec_busy")},
             "falling_streams_max": max(f.get("falling_streams") or 0 for f in flows),
             "lead_p5_s_min": min(leads, default=None), "slowest_production_min": min(slowest, default=None),
         }

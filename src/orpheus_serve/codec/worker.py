@@ -28,7 +28,10 @@ decoder's 1, 2, 4 frames): a decoder advances every row of a forward step by the
 pushes of unequal lengths cost a step each (`codec.base.step_schedule`), and on a GPU a step is a few
 hundred kernel launches whatever its batch. Every streaming session brings the pass's step (the largest
 size at least half of them have pending); one short of it waits for more unless its client holds under
-`URGENT_HELD_S`. First pushes and final ones come whole.
+`URGENT_HELD_S`. First pushes and final ones come whole. And a pass waits, up to `max_pass_wait_s`, for
+`min_pass_frames` to be pending, unless a session waits for its first audio or a client holds under
+`URGENT_HELD_S`: back-to-back passes of a few frames cost a whole launch each, and their launches hold the
+interpreter that the engine-core loop in the same process needs.
 Sessions whose audio has not started go first (their client waits for its
 first byte: they may bring their whole first push), then the sessions whose
 clients hold the least audio (`held_audio_s`, the scheduler's playback model),
@@ -139,6 +142,8 @@ class CodecWorker:
         max_frames_per_pass: int = 64,
         max_frames_per_session: int = 4,
         max_pass_s: float | None = None,
+        min_pass_frames: int = 1,
+        max_pass_wait_s: float = 0.0,
         held_audio_s: Callable[[list[Hashable]], list[float]] | None = None,
         on_pass: Callable[[int, float], None] | None = None,
         device: str | torch.device = "cpu",
@@ -154,6 +159,8 @@ class CodecWorker:
         self.max_frames_per_pass = max_frames_per_pass
         self.max_frames_per_session = max_frames_per_session
         self.max_pass_s = max_pass_s
+        self.min_pass_frames = min_pass_frames
+        self.max_pass_wait_s = max_pass_wait_s
         self._s_per_frame: float | None = None  # measured, smoothed over passes
         self.held_audio_s = held_audio_s
         self.on_pass = on_pass
@@ -335,6 +342,12 @@ class CodecWorker:
             # Asked outside the lock: the scheduler takes its own lock, and submit() must never wait on it.
             held = self.held_audio_s(keys) if self.held_audio_s is not None and keys else [0.0] * len(keys)
             with self._cond:
+                wait = self._fuller_pass_wait(dict(zip(keys, held, strict=True)))
+                if wait > 0:
+                    if closes:
+                        yield closes, []
+                    self._cond.wait(wait)  # a push wakes it: the pass is judged again
+                    continue
                 batch = self._select(dict(zip(keys, held, strict=True)))
             yield closes, batch  # decoded outside the lock: submit() never waits for a pass
 
@@ -378,6 +391,22 @@ class CodecWorker:
             batch.append((push, pushes))
             budget -= take
         return batch
+
+    def _fuller_pass_wait(self, held: dict[Hashable, float]) -> float:
+        """Seconds to wait for a fuller pass (caller holds the lock); 0: decode now. A pass goes at once when
+        `min_pass_frames` are pending, when a session waits for its first audio, when a client holds under
+        `URGENT_HELD_S`, when stopping, and when its oldest frame has waited `max_pass_wait_s`."""
+        if self.max_pass_wait_s <= 0 or self._stopping:
+            return 0.0
+        if sum(e.count for e in self._pending.values()) >= self.min_pass_frames:
+            return 0.0
+        if any(key not in self._started for key in self._pending):
+            return 0.0
+        if any(held.get(key, 0.0) < URGENT_HELD_S for key in self._pending):
+            return 0.0
+        now = time.monotonic()
+        oldest = max((e.age_s(now) for e in self._pending.values()), default=0.0)
+        return max(0.0, self.max_pass_wait_s - oldest)
 
     def _even_frames(self, shares: dict[Hashable, int]) -> int | None:
         """Frames every streaming session brings to this pass: the largest of the decoder's step sizes that at

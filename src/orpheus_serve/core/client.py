@@ -182,6 +182,7 @@ class CoreRuntime:
             max_frames_per_pass=config.codec.max_frames_per_pass,
             max_frames_per_session=config.codec.max_frames_per_session,
             max_pass_s=config.codec.max_pass_ms / 1000,
+            min_pass_frames=config.codec.min_pass_frames, max_pass_wait_s=config.codec.max_pass_wait_ms / 1000,
             held_audio_s=self.scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
         )
         self._tap = on_event  # optional tap (token logs for tooling), on the engine core thread
