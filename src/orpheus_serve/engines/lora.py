@@ -37,6 +37,7 @@ associated differently), so logits agree to rounding and greedy tokens are the m
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -355,7 +356,7 @@ def lora_reference(x: Tensor, y: Tensor, a_all: Tensor, b_all: Tensor, entries: 
     b = b_all.index_select(0, entries)  # [M, R, out]
     xa = torch.bmm(x.unsqueeze(1), a)  # [M, 1, S*R]
     deltas = [torch.bmm(xa[..., s * rank : (s + 1) * rank], b[..., lo:hi])
-              for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]  # [M, 1, out_s] each
+              for s, (lo, hi) in enumerate(itertools.pairwise(bounds))]  # [M, 1, out_s] each
     return y + torch.cat(deltas, dim=-1).squeeze(1)
 
 
