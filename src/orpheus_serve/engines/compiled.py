@@ -5,9 +5,10 @@ tensor argument's first dimension is marked dynamic), and the compiled callable 
 `DecodeGraphs` captures per padded batch size, so a step replays inductor's fused kernels without
 Python or guards in the way. Without CUDA graphs (a CPU) the compiled callable runs each step.
 
-Compilations: one for batches of 2 and more, one for batch 1 (dynamo specialises sizes 0 and 1),
-each with and without LoRA when the adapter pool is on; SDPA attention's `kv_len` becomes symbolic
-after its second value. `warm_up` triggers them at start-up, so the first request pays none, and
+Compilations: one for every batch size, with and without LoRA when the adapter pool is on. Dynamo
+specialises a dimension of size 1, so a batch of 1 runs as a batch of 2, its row twice (the twin
+writes the same K/V to the same cache entry; reading the weights, not the rows, is a small batch's
+cost). SDPA attention's `kv_len` becomes symbolic after its second value (one recompilation). `warm_up` triggers them at start-up, so the first request pays none, and
 measures the time (`compile_s`, in the engine's memory report and stats).
 
 Cache: inductor's FX graph cache (and the Triton kernels it builds) live in `cache_dir`
@@ -56,34 +57,37 @@ class CompiledDecode:
 
     def __call__(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
                  lora: LoraBatch | None = None) -> Tensor:
-        if tokens.shape[0] > 1:  # batch 1 is its own compilation (size 1 is specialised, not marked)
-            for tensor in (tokens, slots, positions):
-                torch._dynamo.mark_dynamic(tensor, 0)
-            if lora is not None and lora.entries is not None:
-                torch._dynamo.mark_dynamic(lora.entries, 0)
-                if lora.segments is not None:
-                    torch._dynamo.mark_dynamic(lora.segments.order, 0)
-                    torch._dynamo.mark_dynamic(lora.segments.tiles, 1)
+        if tokens.shape[0] == 1:  # the row twice (module docstring)
+            tokens, slots, positions = tokens.repeat(2), slots.repeat(2), positions.repeat(2)
+            if lora is not None:
+                assert lora.entries is not None, "decode takes kernel or pool mode"
+                lora = LoraBatch.on_device(lora.pool, lora.entries.repeat(2), kernel=lora.segments is not None)
+            return self(tokens, slots, positions, kv_len, lora)[:1]
+        for tensor in (tokens, slots, positions):
+            torch._dynamo.mark_dynamic(tensor, 0)
         if lora is None:  # the plain call: no LoRA argument for dynamo to guard on
             return self._compiled(tokens, slots, positions, kv_len)
+        assert lora.entries is not None, "decode takes kernel or pool mode"
+        torch._dynamo.mark_dynamic(lora.entries, 0)
+        if lora.segments is not None:
+            torch._dynamo.mark_dynamic(lora.segments.order, 0)
+            torch._dynamo.mark_dynamic(lora.segments.tiles, 1)
         return self._compiled(tokens, slots, positions, kv_len, lora)
 
-    def warm_up(self, *, slot: int, max_batch_size: int, lora_pool: LoraPool | None, lora_kernel: bool,
+    def warm_up(self, *, slot: int, lora_pool: LoraPool | None, lora_kernel: bool,
                 kv_lens: Sequence[int]) -> float:
         """Compile every variant a step can call (module docstring) by running it on `slot` (the graphs'
         scratch slot, or any slot: a decode writes only its row's cache entry at position 0, which a
         session's prefill overwrites before reading). Returns and records the seconds it took."""
         device = self.device
         started = time.perf_counter()
-        batches = [b for b in (2, 1) if b <= max_batch_size]
         for with_lora in (False, True) if lora_pool is not None else (False,):
-            for batch in batches:
-                for kv_len in kv_lens if batch == batches[0] else kv_lens[:1]:
-                    rows = torch.full((batch,), slot, dtype=torch.int64, device=device)
-                    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
-                    lora = LoraBatch.on_device(lora_pool, zeros, kernel=lora_kernel) \
-                        if with_lora and lora_pool is not None else None
-                    self(zeros, rows, zeros.clone(), kv_len, lora)
+            for kv_len in kv_lens:  # one batch size: every other one runs the same compiled code
+                rows = torch.full((2,), slot, dtype=torch.int64, device=device)
+                zeros = torch.zeros(2, dtype=torch.int64, device=device)
+                lora = LoraBatch.on_device(lora_pool, zeros, kernel=lora_kernel) \
+                    if with_lora and lora_pool is not None else None
+                self(zeros, rows, zeros.clone(), kv_len, lora)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.compile_s = time.perf_counter() - started

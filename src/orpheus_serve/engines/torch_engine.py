@@ -334,7 +334,7 @@ class TorchEngine:
         with torch.inference_mode(), self._on_stream():
             # Two lengths, so that SDPA's kv_len is compiled symbolic at once (the Triton kernel ignores it).
             self.compile_s = self._compiled.warm_up(
-                slot=scratch_slot, max_batch_size=self.max_batch_size,
+                slot=scratch_slot,
                 lora_pool=self.lora.pool if self.lora is not None else None,
                 lora_kernel=self.lora_kernel == "triton",
                 kv_lens=[kv_lens[0], kv_lens[-1]] if len(kv_lens) > 1 else [2, 3])
