@@ -344,7 +344,7 @@ class LoraSegments:
         e = tile_entry.clamp(max=num_entries - 1)
         first = starts[e] + (t - (tile_end[e] - tiles_per_entry[e])) * block_m
         last = torch.minimum(starts[e] + counts[e], first + block_m)
-        tiles = torch.stack([torch.where(valid, tile_entry, 0), first, last]).int()  # [3, T]
+        tiles = torch.where(valid, torch.stack([tile_entry, first, last]), 0).int()  # [3, T]; unused tiles: zeros
         return cls(order=order, tiles=tiles, block_m=block_m)
 
 
