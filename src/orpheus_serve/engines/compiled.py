@@ -49,10 +49,11 @@ def use_cache_dir(cache_dir: str | Path | None) -> Path:
 class CompiledDecode:
     """`Transformer.decode` compiled with a dynamic batch: the same call, the same result to rounding."""
 
-    def __init__(self, model: Transformer, *, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, model: Transformer, *, cache_dir: str | Path | None = None, backend: str = "inductor") -> None:
+        """`backend`: torch.compile's; "aot_eager" (tracing without code generation) is for fast tests."""
         self.cache_dir = use_cache_dir(cache_dir)
         self.device = model.output.weight.device
-        self._compiled = torch.compile(model.decode, dynamic=None)
+        self._compiled = torch.compile(model.decode, dynamic=None, backend=backend)
         self.compile_s: float | None = None  # the warm-up's wall time, once run
 
     def __call__(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
