@@ -272,7 +272,7 @@ class TorchEngine:
         with self._on_stream():
             if model is None:
                 model = load_transformer(folder, dtype=self.dtype, device=self.device)
-            elif model.output.weight.device != self.device or model.output.weight.dtype != self.dtype:
+            elif model.output.weight.device.type != self.device.type or model.output.weight.dtype != self.dtype:
                 raise EngineError(f"shared model is {model.output.weight.dtype} on {model.output.weight.device}, "
                                   f"this engine runs {self.dtype} on {self.device}")
             self.model = model
