@@ -20,9 +20,11 @@ import torch
 
 from orpheus_serve import token_format as P
 from orpheus_serve.engines.compiled import CompiledDecode
-from orpheus_serve.engines.llama import load_transformer
+from orpheus_serve.engines.llama import LlamaConfig, load_transformer
+from orpheus_serve.engines.lora import LoraBatch, LoraPool, read_peft_adapter
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
+from orpheus_serve.weights.tiny import write_lora_adapters
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,14 +32,24 @@ LOGITS_ATOL = 1e-4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled_decode_equals_eager_for_every_batch_size(tiny_orpheus: Path, tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "with_lora"), [
+    ("aot_eager", False), ("aot_eager", True), pytest.param("inductor", False, marks=pytest.mark.slow)])
+def test_compiled_decode_equals_eager_for_every_batch_size(tiny_orpheus: Path, tmp_path: Path, backend: str,
+                                                            with_lora: bool) -> None:
     """One compilation (dynamic batch) serves batches of 3, 5 and 1: logits within LOGITS_ATOL of the eager
-    pass, the same greedy tokens, and the same KV cache written."""
+    pass, the same greedy tokens, and the same KV cache written; with LoRA, rows on mixed adapters (the torch
+    path: the kernels' own path needs CUDA)."""
     torch._dynamo.reset()
     model = load_transformer(tiny_orpheus, dtype=torch.float32, device="cpu")
     model.setup_caches(num_slots=6, max_seq_len=32)
     compiled = CompiledDecode(model, cache_dir=tmp_path / "cache", backend=backend)
+    pool = None
+    if with_lora:
+        config = LlamaConfig.from_folder(tiny_orpheus)
+        write_lora_adapters(tmp_path / "adapters", tiny_orpheus, 2, seed=3)
+        pool = LoraPool(config, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+        for entry in (1, 2):
+            pool.write(entry, read_peft_adapter(tmp_path / "adapters" / f"voice{entry - 1}", config, max_rank=8))
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "cache").resolve())
     gen = torch.Generator().manual_seed(4)
     kv_len = 16
@@ -46,9 +58,10 @@ def test_compiled_decode_equals_eager_for_every_batch_size(tiny_orpheus: Path, t
             tokens = torch.randint(0, 150_000, (batch,), generator=gen)
             slots = torch.randperm(6, generator=gen)[:batch]
             positions = torch.randint(0, kv_len, (batch,), generator=gen)
-            eager = model.logits(model.decode(tokens, slots, positions, kv_len))
+            lora = None if pool is None else LoraBatch.on_device(pool, (torch.arange(batch) + 1) % 3, kernel=False)
+            eager = model.logits(model.decode(tokens, slots, positions, kv_len, lora))
             k_eager = [layer.attention.kv_cache.k_cache.clone() for layer in model.layers]
-            got = model.logits(compiled(tokens, slots, positions, kv_len))
+            got = model.logits(compiled(tokens, slots, positions, kv_len, lora))
             torch.testing.assert_close(got, eager, rtol=0, atol=LOGITS_ATOL)
             assert torch.equal(got.argmax(-1), eager.argmax(-1))
             for layer, k in zip(model.layers, k_eager, strict=True):
