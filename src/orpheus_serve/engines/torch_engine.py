@@ -40,7 +40,9 @@ On CUDA all work runs on the engine's own stream, and decode steps replay CUDA g
 at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-two KV lengths
 (256 ... max_seq_len). With `attention="triton"` (decode_attention.py: each row reads its own
 slot up to its own length, whatever the batch's longest) one graph per padded batch size serves
-every length. Padding rows write into a scratch slot that no session owns. Prefill
+every length. Padding rows write into a scratch slot that no session owns. With `compile_decode`
+(engine.compile) what the graphs capture is the decode pass compiled by torch.compile with a dynamic
+batch (compiled.py), warmed up once at start-up; without graphs (a CPU) it runs each step. Prefill
 (variable length) and sampling (a few dozen kernels, no host sync) run eagerly. The graphs'
 static inputs are created on the engine's stream, after everything queued before the capture.
 
