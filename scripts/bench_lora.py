@@ -17,6 +17,11 @@ folder unless --adapters-dir is given (with --write-adapters, into --adapters-di
 run: the adapters already there are reused). CUDA graphs are on (the engine's default, the production
 shape) unless `--graphs off`. `--json` writes one row per (model, adapter count): step ms, tokens/s
 and the ratio to the batch without adapters.
+
+`--lora-kernels` (default auto: `triton,torch` on CUDA, `torch` elsewhere) measures each way of adding the
+adapters (voices.lora_kernel: the segmented Triton kernels, the torch gather) on the same loaded weights, one
+engine after the other. `rows` are the first kernel's; each row's `by_kernel` holds every kernel's numbers for
+that adapter count (and `rows_by_kernel` every kernel's rows), so the old path is read beside the new.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch  # noqa: E402
 
 from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
+from orpheus_serve.engines.llama import Transformer, load_transformer, torch_dtype  # noqa: E402
 from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
 from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 from orpheus_serve.weights.tiny import write_lora_adapter  # noqa: E402
@@ -55,11 +61,14 @@ def ensure_model(models_dir: Path, preset: str) -> Path:
 
 
 def measure(model: Path, adapters_dir: Path, names: list[str], *, batch: int, counts: list[int], steps: int,
-            rounds: int, device: str, dtype: str, rank: int, graphs: bool = True) -> list[tuple[int, float]]:
-    """[(adapters in the batch, median tokens/s)]"""
+            rounds: int, device: str, dtype: str, rank: int, graphs: bool = True, lora_kernel: str = "auto",
+            weights: Transformer | None = None) -> list[tuple[int, float]]:
+    """[(adapters in the batch, median tokens/s)]; `weights`: the model already loaded (shared by engines run
+    one after another)."""
     engine = TorchEngine(model, num_slots=batch * len(counts), max_seq_len=64 + steps * rounds + 8, device=device,
                          dtype=dtype, max_batch_size=batch, adapters_dir=adapters_dir, cuda_graphs=graphs,
-                         max_loras=max(1, max(counts)), max_lora_rank=rank, seed=0)
+                         max_loras=max(1, max(counts)), max_lora_rank=rank, seed=0, lora_kernel=lora_kernel,
+                         model=weights)
     groups: list[list[int]] = []
     for g, count in enumerate(counts):
         slots = list(range(g * batch, (g + 1) * batch))
@@ -121,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (CUDA only; default on)")
     ap.add_argument("--write-adapters", action="store_true",
                     help="write the random adapters missing from --adapters-dir into it (and keep them)")
+    ap.add_argument("--lora-kernels", default="auto",
+                    help="comma list of voices.lora_kernel values to measure, the first one's rows first "
+                         "(auto: triton,torch on CUDA, torch elsewhere)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.threads:
@@ -132,29 +144,50 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         models.append((Path(args.model).name, Path(args.model)))
 
+    kernels = _kernels(args.lora_kernels, device)
     print(f"device {device}, dtype {dtype}, batch {args.batch}, rank {args.rank}, {args.steps} steps x "
-          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
-    print(f"{'model':<14}{'adapters':>9}{'tokens/s':>11}{'vs base':>9}")
-    rows: list[dict[str, object]] = []
+          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, LoRA kernels {', '.join(kernels)}")
+    print(f"{'model':<14}{'kernel':>8}{'adapters':>9}{'tokens/s':>11}{'vs base':>9}")
+    rows_by_kernel: dict[str, list[dict[str, object]]] = {k: [] for k in kernels}
     for label, folder in models:
         with tempfile.TemporaryDirectory() as tmp:
             adapters_dir, names = _adapters(args, folder, Path(tmp), max(counts))
-            results = measure(folder, adapters_dir, names, batch=args.batch, counts=counts, steps=args.steps,
-                              rounds=args.rounds, device=device, dtype=dtype, rank=args.rank,
-                              graphs=args.graphs == "on")
-        base = dict(results).get(0)
-        for count, tps in results:
-            ratio = f"{tps / base:.2f}" if base else "-"
-            print(f"{label:<14}{count:>9}{tps:>11.0f}{ratio:>9}", flush=True)
-            rows.append({"model": label, "batch": args.batch, "adapters": count, "rank": args.rank,
-                         "graphs": args.graphs == "on" and device.startswith("cuda"),
-                         "step_ms": round(args.batch / tps * 1e3, 3), "tokens_per_s": round(tps, 1),
-                         "vs_base": round(tps / base, 3) if base else None})
+            weights = load_transformer(folder, dtype=torch_dtype(dtype), device=device)
+            for kernel in kernels:
+                results = measure(folder, adapters_dir, names, batch=args.batch, counts=counts, steps=args.steps,
+                                  rounds=args.rounds, device=device, dtype=dtype, rank=args.rank,
+                                  graphs=args.graphs == "on", lora_kernel=kernel, weights=weights)
+                base = dict(results).get(0)
+                for count, tps in results:
+                    ratio = f"{tps / base:.2f}" if base else "-"
+                    print(f"{label:<14}{kernel:>8}{count:>9}{tps:>11.0f}{ratio:>9}", flush=True)
+                    rows_by_kernel[kernel].append({
+                        "model": label, "batch": args.batch, "adapters": count, "rank": args.rank,
+                        "graphs": args.graphs == "on" and device.startswith("cuda"), "kernel": kernel,
+                        "step_ms": round(args.batch / tps * 1e3, 3), "tokens_per_s": round(tps, 1),
+                        "vs_base": round(tps / base, 3) if base else None})
+            del weights
+    rows = rows_by_kernel[kernels[0]]
+    for i, row in enumerate(rows):  # the same (model, adapter count) in every kernel's list
+        row["by_kernel"] = {k: {f: rows_by_kernel[k][i][f] for f in ("step_ms", "tokens_per_s", "vs_base")}
+                            for k in kernels}
     if args.json:
         Path(args.json).write_text(json.dumps({
             "device": device, "dtype": dtype, "torch": torch.__version__, "batch": args.batch, "rank": args.rank,
-            "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2) + "\n")
+            "steps": args.steps, "rounds": args.rounds, "lora_kernel": kernels[0], "kernels": kernels,
+            "rows": rows, "rows_by_kernel": rows_by_kernel}, indent=2) + "\n")
     return 0
+
+
+def _kernels(spec: str, device: str) -> list[str]:
+    """The voices.lora_kernel values to measure: `auto` is the new kernels beside the torch path on CUDA."""
+    if spec == "auto":
+        return ["triton", "torch"] if device.startswith("cuda") else ["torch"]
+    kernels = [k for k in spec.split(",") if k]
+    unknown = sorted(set(kernels) - {"triton", "torch"})
+    if unknown or not kernels:
+        raise SystemExit(f"--lora-kernels: {', '.join(unknown) or 'none given'}; expected triton and/or torch")
+    return kernels
 
 
 if __name__ == "__main__":

@@ -234,10 +234,11 @@ def test_pool_mode_equals_gather_mode_and_peft_logits(tiny_orpheus: Path, adapte
     entries = [2, 0, 1, 3]  # voice1, base, voice0, voice2
     with torch.inference_mode():
         gathered = model.logits(model.forward(tokens, slots, positions, 12, LoraBatch.for_rows(pool, entries,
-                                                                                              gather=True)))
+                                                                                              mode="gather")))
         pooled = model.logits(model.forward(tokens, slots, positions, 12, LoraBatch.for_rows(pool, entries,
-                                                                                            gather=False)))
-        assert LoraBatch.for_rows(pool, [0, 0, 0, 0], gather=True) is None  # no adapter: no LoRA work
+                                                                                            mode="pool",
+                                                                                            tokens_per_row=12)))
+        assert LoraBatch.for_rows(pool, [0, 0, 0, 0], mode="gather") is None  # no adapter: no LoRA work
     torch.testing.assert_close(pooled, gathered, rtol=0, atol=1e-4)  # summation order differs: rounding only
     for row, entry in enumerate(entries):
         base = LlamaForCausalLM.from_pretrained(tiny_orpheus, dtype=torch.float32).eval()

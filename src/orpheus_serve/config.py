@@ -152,6 +152,11 @@ class EngineConfig(_Strict):
     attention: Literal["auto", "sdpa", "triton"] = "auto"
     kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "auto"
     quantization: Literal["none", "fp8"] = "none"
+    # Torch backend: the decode pass under torch.compile (inductor) with a dynamic batch, then captured in CUDA
+    # graphs as without it (engines/compiled.py). Compiled code is cached in compile_cache_dir (null:
+    # ~/.cache/orpheus-serve/torch-compile), so a restart does not compile again.
+    compile: bool = False
+    compile_cache_dir: str | None = None
     tensorrt: TensorRTConfig = TensorRTConfig()
     sim: SimConfig = SimConfig()
 
@@ -237,6 +242,10 @@ class VoicesConfig(_Strict):
     # it left the pool); past it that call fails with 503 and the engine core goes on (its other calls are
     # answered meanwhile: the files are read on a thread of their own).
     read_timeout_s: float = Field(60.0, gt=0)
+    # How decode steps add the rows' adapters (torch backend): triton, the segmented kernels that read each adapter
+    # once per step (engines/lora_kernels.py); torch, a gather of every row's adapter (CUDA graphs) or the host's
+    # grouping (eager); auto: triton on CUDA.
+    lora_kernel: Literal["auto", "torch", "triton"] = "auto"
 
 
 class ProfileConfig(_Strict):

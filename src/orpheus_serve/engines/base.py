@@ -24,6 +24,8 @@ class MemoryReport:
     max_seq_len: int
     free_bytes: int | None = None  # device memory left after allocation, where known
     kv_cache_dtype: str | None = None  # the cache's element type (float8_e4m3fn, bfloat16, ...), where known
+    compile_s: float | None = None  # start-up time spent compiling the decode pass (engine.compile), where it ran
+    graph_capture_s: float | None = None  # start-up time spent capturing decode CUDA graphs, where captured
 
 
 @runtime_checkable

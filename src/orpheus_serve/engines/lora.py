@@ -9,17 +9,20 @@ Instead of merging each into its own model, every target linear computes, per ro
 with A_s, B_s gathered from a fixed device pool (ARCHITECTURE §6):
 
 - `LoraPool`: per fused linear of llama.py (wqkv, wo, w13, w2) and per layer, two tensors
-  A [P, in, S·R] and B [P, S·R, out], allocated once: P = max_loras + 1 entries (entry 0 is all
+  A [P, in, S·R] and B [P, R, out], allocated once: P = max_loras + 1 entries (entry 0 is all
   zeros: "no adapter"), S the projections fused in that linear (3 for q|k|v, 2 for gate|up), R =
-  max_lora_rank. Projection s of an adapter occupies rank rows s·R .. s·R + r and its own output
-  columns (a block-diagonal B), smaller ranks are zero-padded and `scale` is folded into B, so
-  one gather + two batched matmuls serve any mix of adapters and ranks, and the zero blocks add
-  exact zeros.
-- `LoraBatch`: which pool entry each row of a forward pass uses. Pool mode (CUDA graphs): every
-  row, with fixed shapes (rows without an adapter read entry 0), so a captured graph serves any
-  adapter mix. Gather mode (CPU, and eager prefill): rows grouped by adapter, each group multiplied
-  by its adapter's blocks in place, at its own rank and on its own targets. A step in which no row
-  has an adapter passes no LoraBatch at all: no extra work.
+  max_lora_rank. Projection s of an adapter occupies rank columns s·R .. s·R + r of A, and rows
+  0 .. r of B in its own output columns (the projections' columns are disjoint, so B needs no
+  block per projection); smaller ranks are zero-padded and `scale` is folded into B, so any mix
+  of adapters and ranks runs with the same shapes, and the zero padding adds exact zeros.
+- `LoraBatch`: which pool entry each row of a forward pass uses, in one of three modes. Kernel
+  mode (CUDA, graphs or not): the rows grouped by adapter on the device (`LoraSegments`) and two
+  Triton kernels per linear, each group reading its adapter once (lora_kernels.py). Pool mode
+  (the same math in plain torch, `lora_reference`): each row's A and B gathered, batched matmuls.
+  Both take every row with fixed shapes (rows without an adapter have entry 0), so a captured
+  graph serves any adapter mix. Gather mode (CPU, and prefill): rows grouped by adapter on the
+  host, each group multiplied by its adapter's blocks in place, at its own rank and on its own
+  targets. A step in which no row has an adapter passes no LoraBatch at all: no extra work.
 - `LoraManager`: adapters on disk (`voices.adapters_dir`), validated when read, kept in the pool
   LRU. Its state is guarded by a lock, so any thread can list, read (`load`, `prefetch`) or
   unload, but the pool's device memory is written only by the engine thread at the start of a
@@ -34,6 +37,7 @@ associated differently), so logits agree to rounding and greedy tokens are the m
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -82,6 +86,9 @@ _MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_
 # PEFT's saved names: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Rows per tile of the segmented kernels (tl.dot's smallest M on GPUs): a decode step's adapter groups are small.
+SEGMENT_ROWS = 16
+LoraMode = Literal["gather", "pool", "kernel"]
 
 
 class AdapterError(ValueError):
@@ -229,7 +236,7 @@ def pool_bytes(config: ModelShape, *, max_loras: int, max_rank: int, dtype: torc
     for projs in FUSED_PROJECTIONS.values():
         n_in = shapes[projs[0]][0]
         n_out = sum(shapes[p][1] for p in projs)
-        per_layer += len(projs) * max_rank * (n_in + n_out)
+        per_layer += max_rank * (len(projs) * n_in + n_out)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return (max_loras + 1) * config.n_layers * per_layer * itemsize
 
@@ -250,6 +257,8 @@ class LoraPool:
         self.a: dict[str, list[Tensor]] = {}
         self.b: dict[str, list[Tensor]] = {}
         self.out_offsets: dict[str, dict[str, tuple[int, int]]] = {}
+        self.bounds: dict[str, list[int]] = {}  # the projections' column boundaries in `out` [S + 1]
+        self.bounds_device: dict[str, Tensor] = {}  # the same, int32 on the device (the kernels read them)
         for fused, projs in FUSED_PROJECTIONS.items():
             n_in = shapes[projs[0]][0]
             offsets, col = {}, 0
@@ -257,10 +266,12 @@ class LoraPool:
                 offsets[p] = (col, col + shapes[p][1])
                 col += shapes[p][1]
             self.out_offsets[fused] = offsets
+            self.bounds[fused] = [0, *(hi for _, hi in offsets.values())]
+            self.bounds_device[fused] = torch.tensor(self.bounds[fused], dtype=torch.int32, device=self.device)
             width = len(projs) * max_rank
             self.a[fused] = [torch.zeros(max_loras + 1, n_in, width, dtype=dtype, device=self.device)
                              for _ in range(config.n_layers)]
-            self.b[fused] = [torch.zeros(max_loras + 1, width, col, dtype=dtype, device=self.device)
+            self.b[fused] = [torch.zeros(max_loras + 1, max_rank, col, dtype=dtype, device=self.device)
                              for _ in range(config.n_layers)]
         # Per entry (host): the adapter's rank and target projections, for gather mode's exact-size products.
         self.ranks = [0] * (max_loras + 1)
@@ -282,7 +293,7 @@ class LoraPool:
                     lo, hi = self.out_offsets[fused][proj]
                     rows = slice(s * self.max_rank, s * self.max_rank + adapter.rank)
                     a[:, rows] = la.t()
-                    b[rows, lo:hi] = lb.t() * adapter.scale
+                    b[: adapter.rank, lo:hi] = lb.t() * adapter.scale
                 self.a[fused][layer][entry].copy_(a.to(self.dtype), non_blocking=True)
                 self.b[fused][layer][entry].copy_(b.to(self.dtype), non_blocking=True)
         self.ranks[entry] = adapter.rank
@@ -293,36 +304,100 @@ class LoraPool:
 
 
 @dataclass(frozen=True, slots=True)
-class LoraBatch:
-    """Which pool entry each row of one forward pass uses, in one of two modes.
+class LoraSegments:
+    """The rows of a forward pass grouped by pool entry, as the kernels of lora_kernels.py read them.
 
-    Pool mode (`entries` [B], 0 for rows without an adapter): every row, fixed shapes (a gather of
-    each row's A and B, two batched matmuls), so it can be captured in a CUDA graph once and serve
-    any mix of adapters. Gather mode (`segments`): the rows are grouped by adapter and each group
-    multiplies by its adapter's A and B where they lie in the pool, at the adapter's own rank and
-    only on the projections it targets: no weights are copied and padding costs nothing, which is
-    what a CPU needs."""
+    order [M] int64: row indices sorted by entry (stable). tiles [3, T] int32: per tile its entry (0:
+    nothing to do), and the range [start, end) of `order` it covers, at most `block_m` long. T depends
+    only on M and the pool size, so a graph captured once serves any mix of adapters.
+    """
+
+    order: Tensor
+    tiles: Tensor
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles.shape[1]
+
+    @classmethod
+    def from_entries(cls, entries: Tensor, num_entries: int, block_m: int = SEGMENT_ROWS) -> LoraSegments:
+        """entries [M] (int, 0..num_entries-1) on the device. Elementwise ops, cumsums and scatters only:
+        nothing waits for the device, so a CUDA graph can capture it."""
+        m = entries.shape[0]
+        device = entries.device
+        entries = entries.long()
+        ids = torch.arange(num_entries, device=device)
+        onehot = (entries.unsqueeze(1) == ids).long()  # [M, P]
+        counts = onehot.sum(0)  # [P] rows per entry
+        starts = torch.cumsum(counts, 0) - counts  # [P] first position of each entry's rows in `order`
+        # A row's place in `order`: its entry's start plus the rows of that entry before it.
+        rank = (torch.cumsum(onehot, 0) * onehot).sum(1) - 1  # [M]
+        dest = starts.gather(0, entries) + rank
+        order = torch.empty_like(entries).scatter_(0, dest, torch.arange(m, device=device))
+        tiles_per_entry = torch.where(ids > 0, (counts + block_m - 1) // block_m, 0)  # [P]; entry 0: no work
+        tile_end = torch.cumsum(tiles_per_entry, 0)  # [P]
+        max_tiles = -(-m // block_m) + min(num_entries - 1, m)
+        t = torch.arange(max_tiles, device=device)
+        tile_entry = (tile_end.unsqueeze(0) <= t.unsqueeze(1)).sum(1)  # [T] the entry whose tiles hold t
+        valid = tile_entry < num_entries
+        e = tile_entry.clamp(max=num_entries - 1)
+        first = starts[e] + (t - (tile_end[e] - tiles_per_entry[e])) * block_m
+        last = torch.minimum(starts[e] + counts[e], first + block_m)
+        tiles = torch.where(valid, torch.stack([tile_entry, first, last]), 0).int()  # [3, T]; unused tiles: zeros
+        return cls(order=order, tiles=tiles, block_m=block_m)
+
+
+def lora_reference(x: Tensor, y: Tensor, a_all: Tensor, b_all: Tensor, entries: Tensor,
+                   bounds: Sequence[int], rank: int) -> Tensor:
+    """x [M, in], y [M, out], a_all [P, in, S*R], b_all [P, R, out], entries [M]; `bounds`: the S + 1
+    column boundaries of the fused projections in `out`. Returns y with every row's LoRA term added."""
+    a = a_all.index_select(0, entries)  # [M, in, S*R]
+    b = b_all.index_select(0, entries)  # [M, R, out]
+    xa = torch.bmm(x.unsqueeze(1), a)  # [M, 1, S*R]
+    deltas = [torch.bmm(xa[..., s * rank : (s + 1) * rank], b[..., lo:hi])
+              for s, (lo, hi) in enumerate(itertools.pairwise(bounds))]  # [M, 1, out_s] each
+    return y + torch.cat(deltas, dim=-1).squeeze(1)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """Which pool entry each row of one forward pass uses (module docstring: the three modes).
+
+    Kernel and pool modes: `entries` [M], one per row of the flattened [B * T] rows (0: no adapter);
+    kernel mode adds `segments`. Gather mode: `groups`, (pool entry, the rows [n] that use it, or None
+    for every row)."""
 
     pool: LoraPool
     entries: Tensor | None = None
-    # (pool entry, the rows that use it [n] or None for every row)
-    segments: tuple[tuple[int, Tensor | None], ...] = ()
+    segments: LoraSegments | None = None
+    groups: tuple[tuple[int, Tensor | None], ...] = ()
 
     @classmethod
-    def for_rows(cls, pool: LoraPool, entries: Sequence[int], *, gather: bool) -> LoraBatch | None:
-        """None when no row has an adapter (the step then does no LoRA work at all)."""
+    def for_rows(cls, pool: LoraPool, entries: Sequence[int], *, mode: LoraMode,
+                 tokens_per_row: int = 1) -> LoraBatch | None:
+        """Rows' pool entries from the host; None when no row has an adapter (the step then does no LoRA
+        work at all). `tokens_per_row`: T of the forward pass (the rows' tokens share their adapter)."""
         if not any(entries):
             return None
-        if not gather:
-            return cls(pool, entries=ints_to_device(list(entries), torch.device(pool.device)))
+        device = torch.device(pool.device)
+        if mode != "gather":
+            return cls.on_device(pool, ints_to_device(list(entries), device), kernel=mode == "kernel",
+                                 tokens_per_row=tokens_per_row)
         groups: dict[int, list[int]] = {}
         for row, entry in enumerate(entries):
             if entry:
                 groups.setdefault(entry, []).append(row)
-        segments = tuple((entry, None if len(rows) == len(entries) else
-                          ints_to_device(rows, torch.device(pool.device)))
-                         for entry, rows in groups.items())
-        return cls(pool, segments=segments)
+        return cls(pool, groups=tuple((entry, None if len(rows) == len(entries) else ints_to_device(rows, device))
+                                      for entry, rows in groups.items()))
+
+    @classmethod
+    def on_device(cls, pool: LoraPool, entries: Tensor, *, kernel: bool, tokens_per_row: int = 1) -> LoraBatch:
+        """Kernel or pool mode from entries [B] already on the device (a graph's static buffer): device
+        work only, so a CUDA graph can capture it with the forward pass."""
+        rows = entries if tokens_per_row == 1 else entries.repeat_interleave(tokens_per_row)  # [B * T]
+        segments = LoraSegments.from_entries(rows, pool.max_loras + 1) if kernel else None
+        return cls(pool, entries=rows, segments=segments)
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
@@ -331,26 +406,32 @@ class LoraBatch:
         """x [B, T, in] (the linear's input), y [B, T, out] (its output) -> y + the rows' LoRA terms."""
         pool = self.pool
         a_all, b_all = pool.a[fused][layer], pool.b[fused][layer]
-        if self.entries is not None:
-            a = a_all.index_select(0, self.entries)  # [B, in, S*R]
-            b = b_all.index_select(0, self.entries)  # [B, S*R, out]
-            return y + torch.bmm(torch.bmm(x, a), b)
         R = pool.max_rank
+        if self.entries is not None:
+            x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [B*T, in], [B*T, out]
+            if self.segments is not None:
+                from orpheus_serve.engines.lora_kernels import lora_segmented
+
+                out = lora_segmented(x2.contiguous(), y2.contiguous(), a_all, b_all, self.segments,
+                                     pool.bounds_device[fused], R)
+            else:
+                out = lora_reference(x2, y2, a_all, b_all, self.entries, pool.bounds[fused], R)
+            return out.view(y.shape)
         projections = FUSED_PROJECTIONS[fused]
-        for entry, rows in self.segments:
+        for entry, rows in self.groups:
             rank, targets = pool.ranks[entry], pool.targets[entry]
             if targets.isdisjoint(projections):
                 continue
             xs = x if rows is None else x.index_select(0, rows)
             # One product with A for all of this linear's projections when the adapter fills the pool's rank
-            # (no padding to multiply), one per projection otherwise; then each projection's own B block.
+            # (no padding to multiply), one per projection otherwise; then each projection's own B columns.
             xa = xs @ a_all[entry] if rank == R else None
             for s, proj in enumerate(projections):
                 if proj not in targets:
                     continue
                 lo, hi = pool.out_offsets[fused][proj]
-                xa_s = xa[..., s * R : (s + 1) * R] if xa is not None else xs @ a_all[entry, :, s * R : s * R + rank]
-                delta = xa_s @ b_all[entry, s * R : s * R + rank, lo:hi]
+                xa_s = xa[..., s * R : s * R + rank] if xa is not None else xs @ a_all[entry, :, s * R : s * R + rank]
+                delta = xa_s @ b_all[entry, :rank, lo:hi]
                 if rows is None:
                     y[..., lo:hi] += delta
                 else:

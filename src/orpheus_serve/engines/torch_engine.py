@@ -40,7 +40,9 @@ On CUDA all work runs on the engine's own stream, and decode steps replay CUDA g
 at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-two KV lengths
 (256 ... max_seq_len). With `attention="triton"` (decode_attention.py: each row reads its own
 slot up to its own length, whatever the batch's longest) one graph per padded batch size serves
-every length. Padding rows write into a scratch slot that no session owns. Prefill
+every length. Padding rows write into a scratch slot that no session owns. With `compile_decode`
+(engine.compile) what the graphs capture is the decode pass compiled by torch.compile with a dynamic
+batch (compiled.py), warmed up once at start-up; without graphs (a CPU) it runs each step. Prefill
 (variable length) and sampling (a few dozen kernels, no host sync) run eagerly. The graphs'
 static inputs are created on the engine's stream, after everything queued before the capture.
 
@@ -65,7 +67,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -76,8 +78,9 @@ from torch import Tensor
 from orpheus_serve import token_format as P
 from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.base import MemoryReport
+from orpheus_serve.engines.compiled import CompiledDecode
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, kv_torch_dtype, load_transformer, torch_dtype
-from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, LoraPool
+from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, LoraMode, LoraPool
 from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
 from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, MemoryPlan, available_bytes, padded_sizes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
@@ -141,8 +144,13 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: Transformer, *, keys: Sequence[GraphKey], scratch_slot: int,
-                 stream: torch.cuda.Stream, lora_pool: LoraPool | None = None) -> None:
+                 stream: torch.cuda.Stream, lora_pool: LoraPool | None = None,
+                 lora_kernel: bool = False, decode: Callable[..., Tensor] | None = None) -> None:
+        """`keys`: the graphs to capture (`decode_graph_keys`); `decode`: what is captured, `model.decode` or its
+        compiled form (`CompiledDecode`); `lora_kernel`: the rows' adapters through the segmented Triton kernels
+        (lora_kernels.py) rather than the torch gather."""
         device = model.output.weight.device
+        decode = decode or model.decode
         if any(key.with_lora for key in keys) and lora_pool is None:
             raise EngineError("decode graphs with LoRA need the adapter pool")
         self.batch_sizes = sorted({key.batch for key in keys})
@@ -161,13 +169,18 @@ class DecodeGraphs:
             self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
             self.lora_entries = torch.zeros(max_batch, dtype=torch.int64, device=device)
             for key in keys:  # largest first: the shared pool is sized by the first capture, reused by the rest
-                lora = LoraBatch(lora_pool, entries=self.lora_entries[:key.batch]) if key.with_lora and lora_pool else None
-                args = (self.tokens[:key.batch], self.slots[:key.batch], self.positions[:key.batch], key.kv_len, lora)
-                for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
-                    model.decode(*args)
+                def step(key: GraphKey = key) -> Tensor:
+                    # The rows' grouping by adapter (kernel mode) is device work: captured with the pass.
+                    lora = LoraBatch.on_device(lora_pool, self.lora_entries[:key.batch], kernel=lora_kernel) \
+                        if key.with_lora and lora_pool is not None else None
+                    return decode(self.tokens[:key.batch], self.slots[:key.batch], self.positions[:key.batch],
+                                  key.kv_len, lora)
+
+                for _ in range(2):  # warm-up outside the graph (allocator, kernel selection, compilation)
+                    step()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    hidden = model.decode(*args)  # [batch, dim]
+                    hidden = step()  # [batch, dim]
                 self.graphs[key] = (graph, hidden)
         stream.synchronize()
 
@@ -209,6 +222,21 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return resolved_device(a, current) == resolved_device(b, current)
 
 
+def _lora_kernel(name: str, device: torch.device) -> str:
+    """`auto`: the segmented Triton kernels on CUDA (where triton is installed), the torch path elsewhere."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    if name not in ("torch", "triton"):
+        raise EngineError(f"unknown LoRA kernel {name!r}; expected auto, torch or triton")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise EngineError("voices.lora_kernel: triton needs the triton package (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise EngineError(f"voices.lora_kernel: triton on {device.type} runs in Triton's interpreter only: "
+                              "set TRITON_INTERPRET=1 (slow; for tests) or use lora_kernel torch")
+    return name
+
+
 def _attention_kernel(name: str, device: torch.device) -> str:
     """`auto`: the Triton decode kernel on CUDA (where triton is installed), SDPA elsewhere. Triton on a CPU
     runs in its interpreter only."""
@@ -235,11 +263,15 @@ class TorchEngine:
                  memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0,
                  sdpa: Sequence[str] = DEFAULT_SDPA_BACKENDS, model: Transformer | None = None,
                  adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64,
-                 attention: str = "sdpa", kv_cache_dtype: str | None = None, quantization: str = "none") -> None:
+                 attention: str = "sdpa", kv_cache_dtype: str | None = None, quantization: str = "none",
+                 lora_kernel: str = "auto", compile_decode: bool = False,
+                 compile_cache_dir: str | Path | None = None) -> None:
         """`sdpa`: the attention kernels PyTorch may pick on CUDA (engines/sdpa.py). `model`: weights already
         loaded from `model_path` on `device` in `dtype`, shared by engines run one after another (a benchmark);
-        its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py.
-        `attention` (sdpa | triton), `kv_cache_dtype`, `quantization` (none | fp8): docs/ATTENTION.md."""
+        its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py;
+        `lora_kernel` (auto | triton | torch): how decode steps apply the rows' adapters (lora_kernels.py).
+        `attention` (sdpa | triton), `kv_cache_dtype`, `quantization` (none | fp8): docs/ATTENTION.md.
+        `compile_decode`, `compile_cache_dir`: the decode pass under torch.compile (compiled.py)."""
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = Path(model_path)
@@ -252,6 +284,7 @@ class TorchEngine:
         self._sdpa = sdpa_backends(sdpa)
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else self.dtype
         self.attention = _attention_kernel(attention, self.device)
+        self.lora_kernel = _lora_kernel(lora_kernel, self.device)
         if quantization not in ("none", "fp8"):
             raise EngineError(f"unknown quantization {quantization!r}; expected none or fp8")
         if quantization == "fp8" and model is not None:
@@ -298,6 +331,11 @@ class TorchEngine:
         self._seed_source = random.Random(seed)
         self._closed = False
         self._graphs: DecodeGraphs | None = None
+        self.compile_s: float | None = None  # torch.compile's start-up time (compile_decode)
+        self.graph_capture_s: float | None = None
+        self._compiled: CompiledDecode | None = None
+        if compile_decode:
+            self._compile(compile_cache_dir, scratch_slot=num_slots if use_graphs else 0)
         cfg = self.config
         self.sdpa_backend = serving_backend(sdpa, device=self.device, dtype=self.dtype, kv_heads=cfg.n_kv_heads,
                                             query_rows=cfg.n_heads // cfg.n_kv_heads, head_dim=cfg.head_dim)
@@ -320,13 +358,28 @@ class TorchEngine:
         plan.check()
         return plan
 
+    def _compile(self, cache_dir: str | Path | None, *, scratch_slot: int) -> None:
+        """Compile the decode pass and run it once per variant (compiled.py), before any graph is captured."""
+        self._compiled = CompiledDecode(self.model, cache_dir=cache_dir)
+        kv_lens = sorted({key.kv_len for key in self.planned_graph_keys()})
+        with torch.inference_mode(), self._on_stream():
+            # Two lengths, so that SDPA's kv_len is compiled symbolic at once (the Triton kernel ignores it).
+            self.compile_s = self._compiled.warm_up(
+                slot=scratch_slot,
+                lora_pool=self.lora.pool if self.lora is not None else None,
+                lora_kernel=self.lora_kernel == "triton",
+                kv_lens=[kv_lens[0], kv_lens[-1]] if len(kv_lens) > 1 else [2, 3])
+
     def _capture_graphs(self) -> None:
         assert self._stream is not None
         started = time.perf_counter()
         with torch.inference_mode(), self._on_stream():
-            self._graphs = DecodeGraphs(self.model, keys=self.planned_graph_keys(), scratch_slot=self.num_slots,
-                                        stream=self._stream, lora_pool=self.lora.pool if self.lora is not None else None)
-        logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
+            self._graphs = DecodeGraphs(
+                self.model, keys=self.planned_graph_keys(), scratch_slot=self.num_slots, stream=self._stream,
+                lora_pool=self.lora.pool if self.lora is not None else None,
+                lora_kernel=self.lora_kernel == "triton", decode=self._compiled)
+        self.graph_capture_s = time.perf_counter() - started
+        logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs), self.graph_capture_s)
 
     def planned_graph_keys(self) -> list[GraphKey]:
         """The decode graphs this engine's configuration captures on CUDA (whatever its device)."""
@@ -365,6 +418,9 @@ class TorchEngine:
             attention=config.engine.attention,
             kv_cache_dtype=config.engine.kv_cache_dtype,
             quantization=config.engine.quantization,
+            lora_kernel=config.voices.lora_kernel,
+            compile_decode=config.engine.compile,
+            compile_cache_dir=config.engine.compile_cache_dir,
         )
 
     # ------------------------------------------------------------------ TokenEngine
@@ -429,7 +485,8 @@ class TorchEngine:
         return MemoryReport(device=str(self.device), weights_bytes=sum(weights.values()), kv_cache_bytes=kv_total,
                             kv_bytes_per_slot=per_slot, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
                             free_bytes=available_bytes(self.device),
-                            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."))
+                            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), compile_s=self.compile_s,
+                            graph_capture_s=self.graph_capture_s)
 
     def close(self) -> None:
         if self._closed:
@@ -475,10 +532,10 @@ class TorchEngine:
             for name in names:
                 self.lora.release(name)
 
-    def _lora_batch(self, entries: list[int], *, gather: bool) -> LoraBatch | None:
+    def _lora_batch(self, entries: list[int], *, mode: LoraMode) -> LoraBatch | None:
         if self.lora is None:
             return None
-        return LoraBatch.for_rows(self.lora.pool, entries, gather=gather)
+        return LoraBatch.for_rows(self.lora.pool, entries, mode=mode)
 
     def _prefill(self, chunk: PrefillChunk, out: StepOutput,
                  sampled: list[tuple[Tensor, Tensor, list[int]]]) -> None:
@@ -528,7 +585,7 @@ class TorchEngine:
         tokens = ints_to_device(ids, self.device)
         slot_index = ints_to_device([slot], self.device)
         self._sampling.mark_seen(slot_index, tokens)
-        lora = self._lora_batch([session.lora_entry], gather=True)
+        lora = self._lora_batch([session.lora_entry], mode="gather")  # one adapter, at its own rank
         # Without adapters the call is the plain one, as before (wrappers of prefill/decode see no new argument).
         args = (tokens, slot, chunk.start) if lora is None else (tokens, slot, chunk.start, lora)
         hidden = self.model.prefill(*args)  # [T, dim]
@@ -579,12 +636,16 @@ class TorchEngine:
         slots, positions, steps = ints_to_device(host, self.device).unbind(0)  # [B] each
         kv_len = int(host[1].max()) + 1
         tokens = self._last_token[slots]
-        lora = self._lora_batch([s.lora_entry for s in sessions], gather=self._graphs is None)  # type: ignore[union-attr]
+        entries = [s.lora_entry for s in sessions]  # type: ignore[union-attr]
         if self._graphs is not None:
-            hidden = self._graphs.run(tokens, slots, positions, kv_len, None if lora is None else lora.entries)
+            hidden = self._graphs.run(tokens, slots, positions, kv_len,
+                                      ints_to_device(entries, self.device) if any(entries) else None)
         else:
+            # Eager: the kernels where chosen (CUDA), else the host's grouping, which costs a CPU least.
+            lora = self._lora_batch(entries, mode="kernel" if self.lora_kernel == "triton" else "gather")
+            decode = self._compiled or self.model.decode
             args = (tokens, slots, positions, kv_len) if lora is None else (tokens, slots, positions, kv_len, lora)
-            hidden = self.model.decode(*args)  # [B, dim]
+            hidden = decode(*args)  # [B, dim]
 
         params = [s.sampling for s in sessions]  # type: ignore[union-attr]
         host_steps = host[2].tolist()

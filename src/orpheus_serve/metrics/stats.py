@@ -154,6 +154,9 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
             "busy_s": round(core.busy_s, 3),
             "engine_elapsed_s": round(core.engine_elapsed_s, 3),
             "loop_s": round(core.loop_s, 3),
+            # start-up: torch.compile of the decode pass (engine.compile) and the decode graphs' capture
+            "compile_s": None if mem.compile_s is None else round(mem.compile_s, 3),
+            "graph_capture_s": None if mem.graph_capture_s is None else round(mem.graph_capture_s, 3),
         },
         "codec": core.codec,
         "flow": flow_stats(snapshot),
