@@ -18,8 +18,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from orpheus_serve import token_format as P
-from orpheus_serve.engines.lora import LoraBatch, LoraPool, LoraSegments, lora_reference, read_peft_adapter
+from orpheus_serve.engines.lora import LoraBatch, LoraPool, lora_reference, read_peft_adapter
 from orpheus_serve.engines.lora_kernels import lora_segmented
+from orpheus_serve.engines.lora_segments import LoraSegments
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 from orpheus_serve.weights.tiny import write_lora_adapters

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from orpheus_serve.engines.lora import LoraSegments
+from orpheus_serve.engines.lora_segments import LoraSegments
 
 SHRINK_TILE = 64 * 64  # elements of A per inner iteration of the shrink (BLOCK_K x the padded S*R)
 EXPAND_BLOCK_N = 128  # output columns per expand program

@@ -222,6 +222,27 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return resolved_device(a, current) == resolved_device(b, current)
 
 
+def _checked_folder(model_path: str | Path, *, quantization: str, shared: Transformer | None) -> Path:
+    """The model folder, once what needs nothing loaded is checked."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise EngineError(f"{folder}: not a local model folder (download the checkpoint first)")
+    if quantization not in ("none", "fp8"):
+        raise EngineError(f"unknown quantization {quantization!r}; expected none or fp8")
+    if quantization == "fp8" and shared is not None:
+        raise EngineError("a shared model cannot be quantised to FP8 by one of its engines")
+    return folder
+
+
+def _codec_share_bytes(config: Config, device: str) -> int:
+    """SNAC loads after the engine: on the same GPU its share is kept out of the engine's plan."""
+    from orpheus_serve.config import resolve_device
+
+    codec = config.codec
+    beside = codec.decoder != "sim" and same_device(torch.device(resolve_device(codec.device)), torch.device(device))
+    return vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if beside else 0
+
+
 def _lora_kernel(name: str, device: torch.device) -> str:
     """`auto`: the segmented Triton kernels on CUDA (where triton is installed), the torch path elsewhere."""
     if name == "auto":
@@ -274,9 +295,7 @@ class TorchEngine:
         `compile_decode`, `compile_cache_dir`: the decode pass under torch.compile (compiled.py)."""
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
-        folder = Path(model_path)
-        if not folder.is_dir():
-            raise EngineError(f"{folder}: not a local model folder (download the checkpoint first)")
+        folder = _checked_folder(model_path, quantization=quantization, shared=model)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError(f"device {device!r} requested but CUDA is not available")
@@ -285,10 +304,6 @@ class TorchEngine:
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else self.dtype
         self.attention = _attention_kernel(attention, self.device)
         self.lora_kernel = _lora_kernel(lora_kernel, self.device)
-        if quantization not in ("none", "fp8"):
-            raise EngineError(f"unknown quantization {quantization!r}; expected none or fp8")
-        if quantization == "fp8" and model is not None:
-            raise EngineError("a shared model cannot be quantised to FP8 by one of its engines")
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -396,31 +411,15 @@ class TorchEngine:
         from orpheus_serve.config import resolve_device, resolve_dtype
 
         device = resolve_device(config.engine.device)
-        codec = config.codec
-        # SNAC loads after the engine: on the same GPU its share is kept out of the engine's plan.
-        codec_beside = codec.decoder != "sim" and same_device(torch.device(resolve_device(codec.device)),
-                                                              torch.device(device))
-        codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if codec_beside else 0
+        engine, voices = config.engine, config.voices
         return cls(
-            config.engine.model_path,
-            num_slots=config.scheduler.max_concurrent_sessions,
-            max_seq_len=config.engine.max_seq_len,
-            device=device,
-            dtype=resolve_dtype(config.engine.dtype, device),
-            max_batch_size=config.scheduler.max_batch_size,
-            cuda_graphs=config.engine.cuda_graphs,
-            memory_fraction=config.engine.memory_fraction,
-            codec_bytes=codec_bytes,
-            adapters_dir=config.voices.adapters_dir,
-            max_loras=config.voices.max_loras,
-            max_lora_rank=config.voices.max_lora_rank,
-            sdpa=config.engine.sdpa_backends,
-            attention=config.engine.attention,
-            kv_cache_dtype=config.engine.kv_cache_dtype,
-            quantization=config.engine.quantization,
-            lora_kernel=config.voices.lora_kernel,
-            compile_decode=config.engine.compile,
-            compile_cache_dir=config.engine.compile_cache_dir,
+            engine.model_path, num_slots=config.scheduler.max_concurrent_sessions, max_seq_len=engine.max_seq_len,
+            device=device, dtype=resolve_dtype(engine.dtype, device), max_batch_size=config.scheduler.max_batch_size,
+            cuda_graphs=engine.cuda_graphs, memory_fraction=engine.memory_fraction,
+            codec_bytes=_codec_share_bytes(config, device), adapters_dir=voices.adapters_dir,
+            max_loras=voices.max_loras, max_lora_rank=voices.max_lora_rank, sdpa=engine.sdpa_backends,
+            attention=engine.attention, kv_cache_dtype=engine.kv_cache_dtype, quantization=engine.quantization,
+            lora_kernel=voices.lora_kernel, compile_decode=engine.compile, compile_cache_dir=engine.compile_cache_dir,
         )
 
     # ------------------------------------------------------------------ TokenEngine

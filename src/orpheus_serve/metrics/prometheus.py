@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..request.types import PROTOCOLS, SynthesisMetrics
+from ..scheduler import FlowStats
 from .stats import ServiceSnapshot
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -90,6 +91,7 @@ class _ServiceStatsCollector(Collector):
         yield GaugeMetricFamily("orpheus:admitted_streams",
                                 "Admitted streams that need real-time production (compare with capacity).",
                                 value=flow.demand_streams)
+        yield from _admission_inputs(flow)
         paused = GaugeMetricFamily("orpheus:sessions_held_back", "Sessions skipped by backpressure, by cause.",
                                    labels=["cause"])
         for cause, count in (("codec", flow.paused_codec), ("client_buffer", flow.paused_client_buffer),
@@ -123,6 +125,53 @@ class _ServiceStatsCollector(Collector):
                                 "Streams counted against server.max_connections (HTTP streams, WebSockets, gRPC calls).",
                                 value=gateway["open_connections"])
         yield from _per_api_process(self.api_process_figures())
+
+
+def _admission_inputs(flow: FlowStats) -> Iterator[Metric]:
+    """What admission decided on (ARCHITECTURE §5a): why the limit is where it is, the playing streams' readings,
+    the cost model's bounds and margins, the loop and codec percentiles. NaN where nothing is measured yet."""
+
+    def value(x: float | None) -> float:
+        return float("nan") if x is None else float(x)
+
+    reason = GaugeMetricFamily("orpheus:admission_limited_by", "1 for what bounds admission now: lead (the playing "
+                               "streams' readings), model (the cost model, before any reading), gateway, slots.",
+                               labels=["reason"])
+    for name in ("lead", "model", "gateway", "slots"):
+        reason.add_metric([name], 1.0 if flow.limit_reason == name else 0.0)
+    yield reason
+    playing = GaugeMetricFamily("orpheus:playing_streams", "Playing streams read by admission, by whether they keep "
+                                "real time (produced faster than real time by the margin, never dry) or fall.",
+                                labels=["state"])
+    playing.add_metric(["keeping"], value(flow.keeping_streams))
+    playing.add_metric(["falling"], value(flow.falling_streams))
+    yield playing
+    yield GaugeMetricFamily("orpheus:stream_lead_p5_seconds", "5th percentile of the playing streams' leads (audio "
+                            "their clients hold unplayed).", value=value(flow.lead_p5_s))
+    yield GaugeMetricFamily("orpheus:codec_busy_ratio", "Share of the last second the codec spent in passes.",
+                            value=value(flow.codec_busy))
+    bounds = GaugeMetricFamily("orpheus:model_bound_streams", "The cost model's real-time bound, by part.",
+                               labels=["part"])
+    margins = GaugeMetricFamily("orpheus:model_margin", "The cost model's margin over real time, by part.",
+                                labels=["part"])
+    for part, bound, margin in (("engine", flow.engine_capacity_streams, flow.engine_margin),
+                                ("codec", flow.codec_capacity_streams, flow.codec_margin)):
+        bounds.add_metric([part], value(bound))
+        margins.add_metric([part], value(margin))
+    yield bounds
+    yield margins
+    loop = GaugeMetricFamily("orpheus:loop_period_seconds", "Engine-core loop period over recent steps.",
+                             labels=["quantile"])
+    codec = GaugeMetricFamily("orpheus:codec_pass_seconds", "Codec pass time over recent passes.",
+                              labels=["quantile"])
+    for quantile, loop_ms, pass_ms in (("0.5", flow.loop_period_ms_p50, flow.codec_pass_ms_p50),
+                                       ("0.99", flow.loop_period_ms_p99, flow.codec_pass_ms_p99)):
+        loop.add_metric([quantile], value(None if loop_ms is None else loop_ms / 1000))
+        codec.add_metric([quantile], value(None if pass_ms is None else pass_ms / 1000))
+    yield loop
+    yield codec
+    yield GaugeMetricFamily("orpheus:codec_frames_per_pass", "Frames per codec pass over recent passes.",
+                            value=value(flow.codec_frames_per_pass))
 
 
 def _per_api_process(figures: Mapping[int, Mapping[str, Any]]) -> Iterator[Metric]:
