@@ -44,7 +44,7 @@ def load_model(path: str | None, device: str, dtype: torch.dtype) -> SNAC:
     if path:
         model = SNAC.from_pretrained(path)
     else:
-        from scripts.make_tiny_models import SNAC_24KHZ_CONFIG
+        from orpheus_serve.weights.tiny import SNAC_24KHZ_CONFIG
 
         torch.manual_seed(0)
         model = SNAC(**SNAC_24KHZ_CONFIG)
