@@ -311,6 +311,8 @@ class TorchEngine:
         # SNAC loads after the engine: on the same GPU its share is kept out of the engine's plan.
         same_device = codec.decoder != "sim" and torch.device(resolve_device(codec.device)) == torch.device(device)
         codec_bytes = vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if same_device else 0
+        if same_device and codec.decoder == "stateful" and codec.cuda_graphs and torch.device(device).type == "cuda":
+            codec_bytes += vram_budget.snac_graph_pool_bytes(codec.max_batch)  # its graphs' pool (codec/stateful.py)
         return cls(
             config.engine.model_path,
             num_slots=config.scheduler.max_concurrent_sessions,
