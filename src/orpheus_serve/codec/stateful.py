@@ -696,7 +696,11 @@ class StatefulDecoder:
         codebooks = codes.split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
         latent = None
         for table, codebook, stride in zip(self._latent_tables, codebooks, _ORPHEUS_VQ_STRIDES, strict=True):
-            part = F.embedding(codebook, table).repeat_interleave(stride, dim=1)  # [B, n*4, D]
+            part = F.embedding(codebook, table)  # [B, n*4/stride, D]
+            # Each code's latent held for `stride` samples: repeat_interleave as a broadcast, which never asks
+            # the device for its output size (a CUDA graph capture must not wait on the device).
+            part = part[:, :, None, :].expand(batch, part.shape[1], stride, part.shape[2]).reshape(
+                batch, -1, part.shape[2])  # [B, n*4, D]
             latent = part if latent is None else latent + part
         x = latent.transpose(1, 2)  # [B, D, n*4]
         ctx = _StepContext(

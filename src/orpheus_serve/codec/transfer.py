@@ -38,7 +38,9 @@ class HostTransfer:
         self._copied_in = [torch.cuda.Event() for _ in range(CODE_BUFFERS)] if self._cuda else []
         self._next_in = 0
         self._audio_out: torch.Tensor | None = None  # pinned float32, flat
-        self._copied_out = torch.cuda.Event() if self._cuda else None
+        # Blocking: the thread sleeps until the audio is copied instead of spinning on a core the engine loop's
+        # process needs (a pass waits milliseconds; waking costs microseconds), and its CPU time counts no wait.
+        self._copied_out = torch.cuda.Event(blocking=True) if self._cuda else None
 
     @staticmethod
     def _pinned(buffer: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Tensor:
