@@ -131,8 +131,8 @@ class PassTimes:
 
 
 def time_passes(decoder: StatefulDecoder, batch: int, passes: int, rng: np.random.Generator, tag: str,
-                sync: Callable[[], None] = lambda: None) -> PassTimes:
-    """`passes` decode passes of `batch` sessions with PUSH_FRAMES new frames each, every session past its first
+                sync: Callable[[], None] = lambda: None, push_frames: int = PUSH_FRAMES) -> PassTimes:
+    """`passes` decode passes of `batch` sessions with `push_frames` new frames each, every session past its first
     audio (a first push of lookahead_frames frames, untimed); the sessions are closed afterwards."""
     keys = [(tag, b) for b in range(batch)]
 
@@ -142,7 +142,7 @@ def time_passes(decoder: StatefulDecoder, batch: int, passes: int, rng: np.rando
     decoder.decode([CodecPush(key, frames(decoder.lookahead_frames)) for key in keys])
     times = PassTimes([], [])
     for _ in range(passes):
-        pushes = [CodecPush(key, frames(PUSH_FRAMES)) for key in keys]
+        pushes = [CodecPush(key, frames(push_frames)) for key in keys]
         sync()
         started, host_started = time.perf_counter(), time.thread_time()
         decoder.decode(pushes)  # returns host PCM: the pass has finished

@@ -616,6 +616,12 @@ def stage_codec(run: StageRun) -> None:
             run.table += "\n\n" + markdown_table(
                 [f"{fidelity['dtype'].upper()} vs FP32 (same codes)", "SNR dB", "expected"],
                 [[f"{fidelity['frames']} frames", fidelity["snr_db"], ">= 40"]])
+        if per_replay := run.data.get("frames_per_replay"):
+            run.table += "\n\n" + markdown_table(
+                ["passes of 4 frames per session, batch", "one 4-frame step: ms / pass", "host ms",
+                 "four 1-frame steps: ms / pass", "host ms"],
+                [[r["batch"], r["steps_1_2_4_ms"], r["steps_1_2_4_host_ms"], r["steps_1_ms"], r["steps_1_host_ms"]]
+                 for r in per_replay])
         if overlap := run.data.get("overlap"):
             run.table += "\n\n" + markdown_table(
                 ["overlap at batch", "engine steps", "engine alone s", "codec alone s", "both at once s", "overlap"],
@@ -663,6 +669,27 @@ def stage_codec(run: StageRun) -> None:
                   f"{audio_s / median:.1f} audio s per s", flush=True)
             render()
             run.save()
+        if run.left() > 75:  # leaves the overlap its 45 s
+            # The decoder's choice of one graph per (bucket, frames) against one frame per replay (stateful.py).
+            one_frame = StatefulDecoder(model, max_batch=max_batch, noise=False, static=True, cuda_graphs=cuda,
+                                        step_frames=(1,))
+            per_replay: list[dict[str, Any]] = []
+            run.data["frames_per_replay"] = per_replay
+            for batch in sorted({shapes.codec_batches[0], min(32, max_batch)}):
+                cells: dict[str, float] = {}
+                for name, decoder in (("steps_1_2_4", graphs), ("steps_1", one_frame)):
+                    with on_stream():
+                        time_passes(decoder, batch, 1, rng, f"fw{batch}", sync, push_frames=4)
+                        times = time_passes(decoder, batch, max(2, shapes.codec_passes // 2), rng, f"f{batch}",
+                                            sync, push_frames=4)
+                    cells[f"{name}_ms"] = round(median_p90(times.wall_s)[0] * 1e3, 3)
+                    cells[f"{name}_host_ms"] = round(median_p90(times.host_s)[0] * 1e3, 3)
+                per_replay.append({"batch": batch, **cells})
+            del one_frame
+            render()
+            run.save()
+        else:
+            run.problem("frames per replay not measured (deadline)")
         fidelity = _half_precision_snr(snac_dir, shapes.device, frames(48))
         run.data["fp16_vs_fp32"] = fidelity
         if fidelity["snr_db"] < fidelity["expected_min_db"]:

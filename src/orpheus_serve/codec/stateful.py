@@ -69,12 +69,19 @@ keeps the dynamic path on a CPU).
 
 Frames per step under graphs: one graph per (bucket, frames) for frames in
 `step_frames` (1, 2, 4), not one frame per replay. A step's kernel count does
-not depend on its frames (a 4-frame step launches the same ~350 kernels as a
-1-frame step, `scripts/bench_codec_stateful.py --static` counts them), and at
-the small batches a server runs, a replay costs about its kernel count in
-launch latency on the GPU, so four 1-frame replays cost about four times one
-4-frame replay. A 3-frame step is 2 + 1, like the dynamic path's steps: its
-scheduling (`_run`) is shared by both paths, so both decode the same steps.
+not depend on its frames (a 1-, 2- or 4-frame step dispatches the same ~470
+torch operators, as counted with a TorchDispatchMode; `scripts/
+bench_codec_stateful.py --passes-only` prints them per pass), and at the small
+batches a server runs a step is launch-bound on the GPU (4.4 ms for a pass of
+2 frames at batch 1 on an H200, 5.3 ms for 64 frames at batch 32), so four
+1-frame replays would cost about four times one 4-frame replay (the kit's
+codec stage measures both on a card: `frames_per_replay`). On a CPU, where
+compute dominates, the choice matters little and goes either way (host ms per
+pass of 4 frames per session, static steps run eagerly, one thread: batch 1,
+61 as one 4-frame step against 88 as four 1-frame steps; batch 8, 663 against
+557, the narrower steps staying in cache). A 3-frame step is
+2 + 1, as on the dynamic path: the step scheduling (`_run`) is shared by both
+paths, so both decode the same steps.
 Edge masks are a graph variant of their own because they cost a masked copy
 of the input of every windowed layer, and only steps that touch an
 utterance's first or last frames need them.
