@@ -106,6 +106,7 @@ def test_static_path_equals_dynamic_path_bit_for_bit(model, seed: int) -> None:
         for mine, theirs in zip(got[key], expected[key], strict=True):
             assert mine.dtype == np.float32 and np.array_equal(mine, theirs), key
     assert static.active_sessions == dynamic.active_sessions == 0
+    assert len(got) > static._pool.shape[0] - 1  # more sessions than session rows: ended sessions' rows were reused
     # Every bucket, and steps of every frame count, with and without edge masks, ran on fixed buffers.
     shapes = set(static._shapes)
     assert {bucket for bucket, _, _ in shapes} == {1, 2, 4}
