@@ -632,7 +632,7 @@ class StatefulDecoder:
         shape = self._static_shape(next(b for b in self.batch_buckets if b >= batch), n_frames,
                                    self._at_edge(group, n_frames))
         bucket = shape.batch
-        host = np.zeros((4, bucket), dtype=np.int64)  # rows, first, total, and codes after them
+        host = np.zeros((3, bucket), dtype=np.int64)  # rows, first, total (the codes follow them)
         host[0, :batch] = [w.session.row for w in group]
         host[0, batch:] = self._zero_row
         host[1, :batch] = [w.session.frames_in for w in group]
@@ -640,7 +640,7 @@ class StatefulDecoder:
         host[2, :batch] = [_NO_END if w.session.total_frames is None else w.session.total_frames for w in group]
         codes = np.zeros((bucket, TOKENS_PER_FRAME * n_frames), dtype=np.int64)  # padding rows: code 0
         codes[:batch] = self._step_codes(group, n_frames)
-        self._transfer.copy_to_device(np.concatenate([host[:3].reshape(-1), codes.reshape(-1)]), shape.inputs)
+        self._transfer.copy_to_device(np.concatenate([host.reshape(-1), codes.reshape(-1)]), shape.inputs)
         torch.index_select(self._pool, 0, shape.rows, out=shape.state)  # gather: [bucket, state_size]
         if shape.graph is not None:
             shape.graph.replay()
