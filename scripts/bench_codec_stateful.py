@@ -15,6 +15,19 @@ Only the decode calls are timed (CUDA synchronised). Prints a table of seconds o
 second of audio and the ratios, the fidelity of each streamed output against the one-shot decode,
 and the first-audio delay in tokens. Without --snac a seeded random-weight snac_24khz is used (the
 cost does not depend on the weight values).
+
+Then, per batch of --pass-batches, codec passes as the worker runs them in steady state (every session
+past its first audio, 2 new frames each) on the stateful decoder's two step paths, side by side:
+
+- dynamic: tensors shaped for each step's exact batch (the CPU path);
+- static:  steps padded to a batch bucket on fixed buffers; on CUDA replayed as CUDA graphs captured
+           per (bucket, frames) at construction (`codec.cuda_graphs`), on a CPU run eagerly.
+
+For each: wall ms per pass, host ms per pass (`time.thread_time` of the calling thread around
+`decode`: the interpreter and launch work a pass costs; on CUDA the audio read-back waits on a
+blocking event, so a wait for the GPU is not counted), and torch operators dispatched per pass (a
+replayed graph dispatches none of its layers' operators). On a CPU the host time is the whole pass
+(the kernels run on the calling thread), so it shows what padding costs there, not what graphs save.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ def load_model(path: str | None, device: str, dtype: torch.dtype) -> SNAC:
     if path:
         model = SNAC.from_pretrained(path)
     else:
-        from scripts.make_tiny_models import SNAC_24KHZ_CONFIG
+        from orpheus_serve.weights.tiny import SNAC_24KHZ_CONFIG
 
         torch.manual_seed(0)
         model = SNAC(**SNAC_24KHZ_CONFIG)
@@ -111,6 +124,88 @@ def stateful(decoder: StatefulDecoder, frames: np.ndarray, timer: Timer, tag: st
     return np.stack([np.concatenate(parts) for parts in audio])
 
 
+@dataclass
+class PassTimes:
+    wall_s: list[float]
+    host_s: list[float]  # thread CPU time of the calling thread
+
+
+def time_passes(decoder: StatefulDecoder, batch: int, passes: int, rng: np.random.Generator, tag: str,
+                sync: Callable[[], None] = lambda: None, push_frames: int = PUSH_FRAMES) -> PassTimes:
+    """`passes` decode passes of `batch` sessions with `push_frames` new frames each, every session past its first
+    audio (a first push of lookahead_frames frames, untimed); the sessions are closed afterwards."""
+    keys = [(tag, b) for b in range(batch)]
+
+    def frames(n: int) -> np.ndarray:
+        return rng.integers(0, 4096, size=(n, TOKENS_PER_FRAME), dtype=np.int64)
+
+    decoder.decode([CodecPush(key, frames(decoder.lookahead_frames)) for key in keys])
+    times = PassTimes([], [])
+    for _ in range(passes):
+        pushes = [CodecPush(key, frames(push_frames)) for key in keys]
+        sync()
+        started, host_started = time.perf_counter(), time.thread_time()
+        decoder.decode(pushes)  # returns host PCM: the pass has finished
+        times.host_s.append(time.thread_time() - host_started)
+        sync()
+        times.wall_s.append(time.perf_counter() - started)
+    for key in keys:
+        decoder.close(key)
+    return times
+
+
+def ops_per_pass(decoder: StatefulDecoder, batch: int, rng: np.random.Generator) -> int:
+    """Torch operators one steady-state pass dispatches from Python (a replayed graph's layers are not among them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    keys = [("ops", b) for b in range(batch)]
+    decoder.decode([CodecPush(k, rng.integers(0, 4096, (decoder.lookahead_frames, TOKENS_PER_FRAME))) for k in keys])
+    with Count():
+        decoder.decode([CodecPush(k, rng.integers(0, 4096, (PUSH_FRAMES, TOKENS_PER_FRAME))) for k in keys])
+    for key in keys:
+        decoder.close(key)
+    return Count.calls
+
+
+def pass_table(model: SNAC, batches: list[int], passes: int, device: str, rng: np.random.Generator) -> None:
+    """Steady-state passes on the dynamic and the static step path, side by side (see the module doc)."""
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    started = time.perf_counter()
+    paths = {"dynamic": StatefulDecoder(model, max_batch=max(batches)),
+             "graphs" if cuda else "static (eager)": StatefulDecoder(model, max_batch=max(batches), static=True,
+                                                                     cuda_graphs=cuda)}
+    graphs = sum(decoder.graph_count for decoder in paths.values())
+    print(f"\npasses of {PUSH_FRAMES} new frames per session; decoders built in {time.perf_counter() - started:.1f} s "
+          f"({graphs} CUDA graphs captured)")
+    print(f"{'batch':>5}  {'path':<15} {'wall ms/pass':>12} {'host ms/pass':>12} {'ops/pass':>9} "
+          f"{'host vs dynamic':>15}")
+    for batch in batches:
+        medians = {}
+        for decoder in paths.values():
+            time_passes(decoder, batch, 2, rng, f"warm{batch}", sync)
+        results = {name: PassTimes([], []) for name in paths}
+        for repeat in range(3):  # interleaved, so drifting load hits both paths alike
+            for name, decoder in paths.items():
+                times = time_passes(decoder, batch, passes, rng, f"r{repeat}", sync)
+                results[name].wall_s += times.wall_s
+                results[name].host_s += times.host_s
+        for name, times in results.items():
+            medians[name] = (float(np.median(times.wall_s)), float(np.median(times.host_s)))
+        for name, decoder in paths.items():
+            wall, host = medians[name]
+            ratio = host / medians["dynamic"][1]
+            print(f"{batch:>5}  {name:<15} {wall * 1e3:>12.2f} {host * 1e3:>12.2f} "
+                  f"{ops_per_pass(decoder, batch, rng):>9} {ratio:>15.2f}")
+
+
 def snr_db(reference: np.ndarray, audio: np.ndarray) -> float:
     error = float(np.sum((reference.astype(np.float64) - audio) ** 2))
     return float("inf") if error == 0 else 10 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / error)
@@ -131,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         help="default: float16 on CUDA, float32 on CPU",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pass-batches", default="1,8,32", help="batches of the pass table (default: 1,8,32; "
+                    "empty: no pass table)")
+    ap.add_argument("--passes", type=int, default=10, help="timed passes per path, batch and round (default: 10)")
+    ap.add_argument("--passes-only", action="store_true", help="only the pass table")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -147,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         f"best of {args.repeats}, pushes of {PUSH_FRAMES} frames"
     )
 
+    if args.passes_only:
+        pass_table(model, [int(b) for b in args.pass_batches.split(",")], args.passes, args.device, rng)
+        return 0
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         frames = rng.integers(0, 4096, size=(batch, args.frames, TOKENS_PER_FRAME), dtype=np.int64)
@@ -186,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         f"point, lookahead {decoder.lookahead_samples} samples = {decoder.lookahead_frames} frames); "
         f"windowed default {window_tokens} tokens ({SAMPLES_PER_FRAME} samples)"
     )
+    if args.pass_batches:
+        pass_table(model, [int(b) for b in args.pass_batches.split(",")], args.passes, args.device, rng)
     return 0
 
 

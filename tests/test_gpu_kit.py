@@ -464,6 +464,12 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
 
     codec = datas["codec"]
     assert [r["batch"] for r in codec["rows"]] == [1, 2]
+    # Graphs on and off side by side (on a CPU the static steps run eagerly where the graphs would replay),
+    # with the host time of a pass for both.
+    assert codec["graph_path"] == "static-eager" and codec["graph_capture"]["graphs"] == 0
+    for row in codec["rows"]:
+        assert min(row["pass_ms_median"], row["dynamic_pass_ms_median"], row["host_ms_median"],
+                   row["dynamic_host_ms_median"]) > 0
     overlap = codec["overlap"]
     assert overlap["steps_short"] == 0 and overlap["steps_checked"] == 3 * overlap["engine_steps"]
 

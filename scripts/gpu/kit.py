@@ -22,9 +22,11 @@ Stages (ARCHITECTURE §8; the card run is two calls, serve alone, then check, co
           and 256 at KV lengths up to 1,024, graphs on. A sub-step that fails is recorded as failed,
           with the main numbers kept.
 - codec:  the stateful SNAC decoder in FP16 on its own CUDA stream: ms per decode pass at each
-          batch size, audio seconds decoded per GPU second, overlap with engine decode steps (both
-          at once against each alone; every step checked to have decoded every row), and FP16 against
-          FP32 on the same codes (SNR).
+          batch size with CUDA graphs (`codec.cuda_graphs`, the server's default) and without, side by
+          side, and the host (thread CPU) ms of a pass for both; audio seconds decoded per GPU second,
+          overlap of graph passes with engine decode steps (both at once against each alone; every step
+          checked to have decoded every row), and FP16 against FP32 on the same codes (SNR). The dry run
+          runs the static path eagerly where the graphs would be.
 - serve:  the production shape: production_server.py with the engine core in its own process
           (server.engine_process), torch backend, bf16, CUDA graphs, the codec on its own stream,
           the 3B-shaped model; a warm-up level, then stepped concurrency levels over gRPC with
@@ -82,7 +84,7 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "engine": ("torch", "safetensors", "triton", "orpheus_serve.weights.tiny", "orpheus_serve.engines.torch_engine",
                "orpheus_serve.engines.lora", "scripts.bench_engine", "scripts.bench_lora"),
     "codec": ("torch", "snac", "orpheus_serve.weights.tiny", "orpheus_serve.codec.loader",
-              "orpheus_serve.codec.stateful", "orpheus_serve.engines.torch_engine"),
+              "orpheus_serve.codec.stateful", "orpheus_serve.engines.torch_engine", "scripts.bench_codec_stateful"),
     "serve": ("torch", "snac", "zmq", "msgpack", "grpc", "uvicorn", "fastapi", "orpheus_serve.weights.tiny",
               "production_server", "orpheus_serve.api.server", "orpheus_serve.api.launch",
               "orpheus_serve.service.build", "orpheus_serve.core.mp_client", "orpheus_serve.core.process",
@@ -557,10 +559,10 @@ def stage_codec(run: StageRun) -> None:
     import numpy as np
     import torch
 
-    from orpheus_serve.codec.base import CodecPush
     from orpheus_serve.codec.loader import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
     from orpheus_serve.token_format import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
+    from scripts.bench_codec_stateful import PUSH_FRAMES, time_passes
 
     shapes = run.shapes
     llama, snac_dir = ensure_models(run)
@@ -568,7 +570,7 @@ def stage_codec(run: StageRun) -> None:
     codec_dtype = "fp16" if cuda else "fp32"
     model = load_snac(snac_dir, device=shapes.device, dtype=codec_dtype, noise=False)
     stream = torch.cuda.Stream() if cuda else None
-    push_frames = 2  # the codec worker's steady-state push: every two frames (flush_every_n_tokens 14)
+    push_frames = PUSH_FRAMES  # the codec worker's steady-state push: every two frames (flush_every_n_tokens 14)
     rng = np.random.default_rng(0)
 
     def frames(n: int) -> np.ndarray:
@@ -583,58 +585,109 @@ def stage_codec(run: StageRun) -> None:
         if stream is not None:
             stream.synchronize()
 
-    def codec_passes(decoder: StatefulDecoder, batch: int, passes: int, tag: str) -> list[float]:
-        """Per-pass seconds for `passes` passes of `batch` sessions, 2 new frames each."""
+    def codec_passes(decoder: StatefulDecoder, batch: int, passes: int, tag: str) -> tuple[list[float], list[float]]:
+        """(wall, host) seconds per pass for `passes` passes of `batch` sessions, 2 new frames each, on the
+        codec's own stream; host = the calling thread's CPU time inside `decode`."""
         with on_stream():
-            decoder.decode([CodecPush((tag, b), frames(3)) for b in range(batch)])  # past first audio
-            sync()
-            times = []
-            for _ in range(passes):
-                pushes = [CodecPush((tag, b), frames(push_frames)) for b in range(batch)]
-                started = time.perf_counter()
-                decoder.decode(pushes)  # returns host PCM: the pass has finished
-                sync()
-                times.append(time.perf_counter() - started)
-            for b in range(batch):
-                decoder.close((tag, b))
-        return times
+            times = time_passes(decoder, batch, passes, rng, tag, sync)
+        return times.wall_s, times.host_s
 
     rows: list[dict[str, Any]] = []
-    run.data.update(device=shapes.device, dtype=codec_dtype, decoder="stateful", rows=rows)
+    # graphs: the server's path on CUDA (codec.cuda_graphs); the dry run runs the same static steps eagerly.
+    graph_path = "graphs" if cuda else "static-eager"
+    run.data.update(device=shapes.device, dtype=codec_dtype, decoder="stateful", graph_path=graph_path, rows=rows)
 
     def render() -> None:
         run.table = markdown_table(
-            ["batch", "ms / pass (median)", "ms / pass (p90)", "audio s per GPU s"],
-            [[r["batch"], r["pass_ms_median"], r["pass_ms_p90"], r["audio_s_per_gpu_s"]] for r in rows])
+            ["batch", f"{graph_path} ms / pass (median)", "p90", "dynamic ms / pass (median)", "p90",
+             f"host ms / pass, {graph_path}", "host ms / pass, dynamic", f"audio s per GPU s ({graph_path})"],
+            [[r["batch"], r["pass_ms_median"], r["pass_ms_p90"], r["dynamic_pass_ms_median"], r["dynamic_pass_ms_p90"],
+              r["host_ms_median"], r["dynamic_host_ms_median"], r["audio_s_per_gpu_s"]] for r in rows])
+        if capture := run.data.get("graph_capture"):
+            shapes_text = (f"buckets {capture['buckets']}, frames per step {capture['step_frames']}, with and without "
+                           "edge masks")
+            run.table += (f"\n\n{capture['graphs']} CUDA graphs ({shapes_text}) captured in {capture['seconds']} s"
+                          if capture["graphs"] else f"\n\nNo CUDA: the static steps ({shapes_text}) ran eagerly")
+            run.table += ("; dynamic = graphs off (eager steps of the exact batch). host = the calling thread's CPU "
+                          "time inside a pass.")
         if fidelity := run.data.get("fp16_vs_fp32"):
             run.table += "\n\n" + markdown_table(
                 [f"{fidelity['dtype'].upper()} vs FP32 (same codes)", "SNR dB", "expected"],
                 [[f"{fidelity['frames']} frames", fidelity["snr_db"], ">= 40"]])
+        if per_replay := run.data.get("frames_per_replay"):
+            run.table += "\n\n" + markdown_table(
+                ["passes of 4 frames per session, batch", "one 4-frame step: ms / pass", "host ms",
+                 "four 1-frame steps: ms / pass", "host ms"],
+                [[r["batch"], r["steps_1_2_4_ms"], r["steps_1_2_4_host_ms"], r["steps_1_ms"], r["steps_1_host_ms"]]
+                 for r in per_replay])
         if overlap := run.data.get("overlap"):
             run.table += "\n\n" + markdown_table(
                 ["overlap at batch", "engine steps", "engine alone s", "codec alone s", "both at once s", "overlap"],
                 [[overlap["batch"], overlap["engine_steps"], overlap["engine_alone_s"], overlap["codec_alone_s"],
                   overlap["together_s"], overlap["overlap"]]])
             run.table += ("\n\noverlap = (engine alone + codec alone - both at once) / min(engine alone, codec "
-                          "alone): 1 = the shorter one is hidden completely, 0 = they run one after the other.")
+                          f"alone), codec passes on the {graph_path} path: 1 = the shorter one is hidden completely, "
+                          "0 = they run one after the other.")
+
+    def median_p90(times: list[float]) -> tuple[float, float]:
+        ordered = sorted(times)
+        return ordered[len(ordered) // 2], ordered[round(0.9 * (len(ordered) - 1))]
 
     with torch.inference_mode():
-        decoder = StatefulDecoder(model, max_batch=max(shapes.codec_batches), noise=False)
+        max_batch = max(shapes.codec_batches)
+        dynamic = StatefulDecoder(model, max_batch=max_batch, noise=False)  # graphs off: the eager, unpadded steps
+        started = time.perf_counter()
+        graphs = StatefulDecoder(model, max_batch=max_batch, noise=False, static=True, cuda_graphs=cuda)
+        run.data["graph_capture"] = {"graphs": graphs.graph_count, "buckets": graphs.batch_buckets,
+                                     "step_frames": list(graphs.step_frames),
+                                     "seconds": round(time.perf_counter() - started, 2)}
         for batch in shapes.codec_batches:
             if run.left() < shapes.codec_batch_min_s:
                 run.problem(f"codec batch {batch} and above not measured (deadline)")
                 break
-            codec_passes(decoder, batch, 2, f"warm{batch}")
-            times = sorted(codec_passes(decoder, batch, shapes.codec_passes, f"b{batch}"))
-            median = times[len(times) // 2]
+            measured: dict[str, tuple[list[float], list[float]]] = {"graphs": ([], []), "dynamic": ([], [])}
+            for decoder in (graphs, dynamic):
+                codec_passes(decoder, batch, 2, f"warm{batch}")
+            for half in range(2):  # interleaved halves: drifting clocks or load hit both paths alike
+                for name, decoder in (("graphs", graphs), ("dynamic", dynamic)):
+                    wall, host = codec_passes(decoder, batch, max(1, shapes.codec_passes // 2), f"b{batch}h{half}")
+                    measured[name][0].extend(wall)
+                    measured[name][1].extend(host)
+            (median, p90), (dynamic_median, dynamic_p90) = (median_p90(measured[n][0]) for n in ("graphs", "dynamic"))
+            host, dynamic_host = (median_p90(measured[n][1])[0] for n in ("graphs", "dynamic"))
             audio_s = batch * push_frames * FRAME_SECONDS
-            rows.append({"batch": batch, "frames_per_session": push_frames, "pass_ms_median": round(median * 1e3, 3),
-                         "pass_ms_p90": round(times[round(0.9 * (len(times) - 1))] * 1e3, 3),
-                         "audio_s_per_gpu_s": round(audio_s / median, 1)})
-            print(f"codec batch {batch}: {median * 1e3:.2f} ms per pass, {audio_s / median:.1f} audio s per s",
-                  flush=True)
+            rows.append({"batch": batch, "frames_per_session": push_frames, "path": graph_path,
+                         "pass_ms_median": round(median * 1e3, 3), "pass_ms_p90": round(p90 * 1e3, 3),
+                         "host_ms_median": round(host * 1e3, 3), "audio_s_per_gpu_s": round(audio_s / median, 1),
+                         "dynamic_pass_ms_median": round(dynamic_median * 1e3, 3),
+                         "dynamic_pass_ms_p90": round(dynamic_p90 * 1e3, 3),
+                         "dynamic_host_ms_median": round(dynamic_host * 1e3, 3)})
+            print(f"codec batch {batch}: {graph_path} {median * 1e3:.2f} ms per pass (host {host * 1e3:.2f}), "
+                  f"dynamic {dynamic_median * 1e3:.2f} ms (host {dynamic_host * 1e3:.2f}), "
+                  f"{audio_s / median:.1f} audio s per s", flush=True)
             render()
             run.save()
+        if run.left() > 75:  # leaves the overlap its 45 s
+            # The decoder's choice of one graph per (bucket, frames) against one frame per replay (stateful.py).
+            one_frame = StatefulDecoder(model, max_batch=max_batch, noise=False, static=True, cuda_graphs=cuda,
+                                        step_frames=(1,))
+            per_replay: list[dict[str, Any]] = []
+            run.data["frames_per_replay"] = per_replay
+            for batch in sorted({shapes.codec_batches[0], min(32, max_batch)}):
+                cells: dict[str, float] = {}
+                for name, decoder in (("steps_1_2_4", graphs), ("steps_1", one_frame)):
+                    with on_stream():
+                        time_passes(decoder, batch, 1, rng, f"fw{batch}", sync, push_frames=4)
+                        times = time_passes(decoder, batch, max(2, shapes.codec_passes // 2), rng, f"f{batch}",
+                                            sync, push_frames=4)
+                    cells[f"{name}_ms"] = round(median_p90(times.wall_s)[0] * 1e3, 3)
+                    cells[f"{name}_host_ms"] = round(median_p90(times.host_s)[0] * 1e3, 3)
+                per_replay.append({"batch": batch, **cells})
+            del one_frame
+            render()
+            run.save()
+        else:
+            run.problem("frames per replay not measured (deadline)")
         fidelity = _half_precision_snr(snac_dir, shapes.device, frames(48))
         run.data["fp16_vs_fp32"] = fidelity
         if fidelity["snr_db"] < fidelity["expected_min_db"]:
@@ -642,7 +695,8 @@ def stage_codec(run: StageRun) -> None:
         render()
         run.save()
         if run.left() > shapes.codec_overlap_min_s:
-            run.data["overlap"] = _codec_engine_overlap(run, llama, decoder, codec_passes)
+            run.data["overlap"] = _codec_engine_overlap(
+                run, llama, graphs, lambda *args: codec_passes(*args)[0])
         else:
             run.problem("overlap not measured (deadline)")
     render()

@@ -92,6 +92,9 @@ class CodecConfig(_Strict):
     seed: int | None = None
     compile: bool = False
     max_batch: int = Field(64, ge=1)
+    # Stateful decoder on CUDA: steps padded to batch buckets and replayed as CUDA graphs captured at load, so a
+    # pass costs the host a copy, a gather, a replay and a scatter per step (ARCHITECTURE §4). No effect on a CPU.
+    cuda_graphs: bool = True
     max_frames_per_pass: int = Field(64, ge=1)  # frames one worker pass may decode, across all sessions
     max_frames_per_session: int = Field(4, ge=1)  # frames one session may contribute to a pass (round-robin)
     max_pass_ms: float = Field(100.0, gt=0)  # and fewer frames when the measured pass would take longer (CPU)

@@ -65,7 +65,11 @@ def build_decoder(codec_cfg: CodecConfig, model: SNAC) -> StreamingDecoder:
     if codec_cfg.decoder == "stateful":
         from .stateful import StatefulDecoder
 
-        return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise, seed=codec_cfg.seed)
+        # Graphs (and the static steps they replay) on CUDA only: on a CPU, padding a step to its bucket
+        # would only add compute, and there is no launch cost to save.
+        graphs = codec_cfg.cuda_graphs and next(model.parameters()).device.type == "cuda"
+        return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise, seed=codec_cfg.seed,
+                               cuda_graphs=graphs)
     if codec_cfg.decoder == "reference":
         from .reference import ReferenceWindowDecoder
 

@@ -53,6 +53,39 @@ them all by the same number of frames, chosen from a small fixed set
 step), which is what CUDA graphs or torch.compile need; sessions join and
 leave between steps. Everything runs on the model's device and dtype.
 
+Static steps and CUDA graphs. With `static=True` a step never allocates its
+inputs: the rows of a step are padded to a batch bucket (1, 2, 4, ... up to
+max_batch, the engine's `padded_sizes` rule), their codes, pool rows and edge
+positions go to the device in one copy into a preallocated int64 buffer,
+their state is gathered into a preallocated [bucket, state_size] buffer
+(padding rows read a pool row that is always zero), the layers run on those
+buffers, and only the real rows' state is scattered back. Each (bucket,
+frames per step, edge masks or not) shape thus reads and writes fixed
+addresses, so with `cuda_graphs=True` (CUDA) the layers of each shape are
+captured once at construction, into one shared memory pool, and a step is a
+copy, a gather, one replay and a scatter. On a CPU the very same static
+path runs eagerly (tests; padding rows cost compute there, so the server
+keeps the dynamic path on a CPU).
+
+Frames per step under graphs: one graph per (bucket, frames) for frames in
+`step_frames` (1, 2, 4), not one frame per replay. A step's kernel count does
+not depend on its frames (a 1-, 2- or 4-frame step dispatches the same ~470
+torch operators, as counted with a TorchDispatchMode; `scripts/
+bench_codec_stateful.py --passes-only` prints them per pass), and at the small
+batches a server runs a step is launch-bound on the GPU (4.4 ms for a pass of
+2 frames at batch 1 on an H200, 5.3 ms for 64 frames at batch 32), so four
+1-frame replays would cost about four times one 4-frame replay (the kit's
+codec stage measures both on a card: `frames_per_replay`). On a CPU, where
+compute dominates, the choice matters little and goes either way (host ms per
+pass of 4 frames per session, static steps run eagerly, one thread: batch 1,
+61 as one 4-frame step against 88 as four 1-frame steps; batch 8, 663 against
+557, the narrower steps staying in cache). A 3-frame step is
+2 + 1, as on the dynamic path: the step scheduling (`_run`) is shared by both
+paths, so both decode the same steps.
+Edge masks are a graph variant of their own because they cost a masked copy
+of the input of every windowed layer, and only steps that touch an
+utterance's first or last frames need them.
+
 Not thread-safe: one codec worker owns an instance.
 """
 
@@ -73,6 +106,7 @@ from torch import nn
 
 from orpheus_serve.codec.base import STATEFUL_STEP_FRAMES, CodecPush, CodecResult, step_schedule
 from orpheus_serve.codec.transfer import HostTransfer
+from orpheus_serve.engines.memory import padded_sizes
 from orpheus_serve.token_format import TOKENS_PER_FRAME, frames_to_snac_codes
 
 from .loader import SeededNoiseBlock, full_fp32_convolutions
@@ -354,7 +388,29 @@ class _Work:
     session: _Session
     frames: np.ndarray  # [steps, 7] int64
     done: int = 0
-    pieces: list[tuple[torch.Tensor, int, int, int]] = field(default_factory=list)  # (pcm [B, T], row, lo, hi)
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)  # (step output, row, lo, hi)
+
+
+@dataclass(eq=False, slots=True)
+class _StaticShape:
+    """Fixed buffers of one (bucket, frames, edges) step shape: views of the decoder's static buffers."""
+
+    batch: int  # the bucket: rows of every buffer below
+    n_frames: int
+    edges: bool  # the layers apply edge masks
+    inputs: torch.Tensor  # [batch * (3 + 7 n)] int64, filled by one host copy: rows | first | total | codes
+    rows: torch.Tensor  # [batch] pool rows; padding rows read the always-zero row
+    first: torch.Tensor  # [batch] frames each row had stepped before this step
+    total: torch.Tensor  # [batch] each row's utterance length in frames (a huge number while unknown)
+    codes: torch.Tensor  # [batch, 7 n] c0 | c1 | c2
+    state: torch.Tensor  # [batch, state_size], gathered before and scattered after the layers
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None  # [batch, n * samples_per_frame], the graph's (captured) output
+
+
+# Edge position of a row whose utterance's end is not known yet: never reached, and far from int64 overflow
+# once multiplied by a layer's samples per frame.
+_NO_END = np.iinfo(np.int64).max // 2**20
 
 
 class StatefulDecoder:
@@ -365,6 +421,10 @@ class StatefulDecoder:
     enables the decoder's NoiseBlocks (off: deterministic audio equal to the one-shot decode with noise
     bypassed), `seed` seeds the noise (the same pushes in the same order give the same audio from run to
     run; None: unseeded), `step_frames` is the fixed set of frames-per-step shapes.
+
+    `static`: every step runs on preallocated buffers padded to a batch bucket (see the module doc);
+    `cuda_graphs` (CUDA only, implies `static`): each static shape is captured as a CUDA graph here, in
+    the constructor, and steps replay it.
 
     On CUDA, codes go in and audio comes out through pinned staging buffers (`codec.transfer`) on the
     caller's current stream (the codec worker's own); everything the constructor puts on the device is
@@ -379,6 +439,8 @@ class StatefulDecoder:
         noise: bool = False,
         seed: int | None = None,
         step_frames: Sequence[int] = STATEFUL_STEP_FRAMES,
+        static: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -390,6 +452,8 @@ class StatefulDecoder:
             )
         param = next(model.decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a model on CUDA, not {self.device}")
         self.max_batch = max_batch
         self.noise = noise
         self._generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
@@ -426,9 +490,22 @@ class StatefulDecoder:
         # A step needs edge masks while any of its frames is within this many frames of the stream start.
         self._start_edge_frames = max(math.ceil(e.delay / e.samples_per_frame) for e in self._edges)
 
-        self._pool = torch.zeros((max_batch, self.state_size), device=self.device, dtype=self.dtype)
+        self.static = static or cuda_graphs
+        self.cuda_graphs = cuda_graphs
+        # Static steps: one extra pool row, never handed out and never written, is the padding rows' zero state.
+        self._zero_row = max_batch if self.static else None
+        self._pool = torch.zeros((max_batch + int(self.static), self.state_size), device=self.device, dtype=self.dtype)
         self._free_rows = list(range(max_batch))  # min-heap: lowest rows first keeps batches contiguous
         self._sessions: dict[Hashable, _Session] = {}
+        self.batch_buckets: list[int] = padded_sizes(max_batch) if self.static else []
+        self._shapes: dict[tuple[int, int, bool], _StaticShape] = {}
+        if self.static:
+            widest = max(self.step_frames)
+            self._static_inputs = torch.zeros(max_batch * (3 + TOKENS_PER_FRAME * widest), dtype=torch.int64,
+                                              device=self.device)
+            self._static_state = torch.zeros((max_batch, self.state_size), device=self.device, dtype=self.dtype)
+        if cuda_graphs:
+            self._capture_graphs()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # see the class docstring
 
@@ -452,8 +529,9 @@ class StatefulDecoder:
                         flush = np.zeros((self.lookahead_frames, TOKENS_PER_FRAME), dtype=np.int64)
                         frames = np.concatenate([frames, flush])
                 work.append(_Work(session, frames))
-            self._run(work)
-            audio = self._collect(work)
+            outputs: list[torch.Tensor] = []
+            self._run(work, outputs)
+            audio = self._collect(work, outputs)
             results = [CodecResult(push.key, pcm, push.final) for push, pcm in zip(pushes, audio, strict=True)]
         for push in pushes:
             if push.final:
@@ -469,6 +547,11 @@ class StatefulDecoder:
     @property
     def active_sessions(self) -> int:
         return len(self._sessions)
+
+    @property
+    def graph_count(self) -> int:
+        """CUDA graphs captured (0 without cuda_graphs)."""
+        return sum(shape.graph is not None for shape in self._shapes.values())
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -487,7 +570,8 @@ class StatefulDecoder:
 
     def _allocate_row(self) -> int:
         if not self._free_rows:
-            # More sessions than rows: double the pool (rare; off the steady-state path).
+            # More sessions than rows: double the pool (rare; off the steady-state path). A static decoder's
+            # zero row stays where it is; the new rows start past it.
             old = self._pool.shape[0]
             self._pool = torch.cat([self._pool, torch.zeros_like(self._pool)])
             self._free_rows = list(range(old, 2 * old))
@@ -495,25 +579,34 @@ class StatefulDecoder:
         self._pool[row].zero_()  # zero history = the one-shot decode's left zero padding
         return row
 
-    def _run(self, work: list[_Work]) -> None:
+    def _run(self, work: list[_Work], outputs: list[torch.Tensor]) -> None:
         """Step every session with pending frames (`step_schedule`), rows in ascending order."""
+        step = self._step_static if self.static else self._step
         ordered = sorted(work, key=lambda w: w.session.row)
-        for group, n_frames in step_schedule([len(w.frames) for w in ordered], self.step_frames, self.max_batch):
-            self._step([ordered[i] for i in group], n_frames)
+        for group_index, n_frames in step_schedule([len(w.frames) for w in ordered], self.step_frames,
+                                                   self.max_batch):
+            group = [ordered[i] for i in group_index]
+            outputs.append(step(group, n_frames))
+            self._advance(group, n_frames, len(outputs) - 1)
 
-    def _step(self, group: list[_Work], n_frames: int) -> None:
+    def _step_codes(self, group: list[_Work], n_frames: int) -> np.ndarray:
+        """[B, 7n] int64: per row c0 [n] | c1 [2n] | c2 [4n] of the frames this step decodes."""
+        frames = np.stack([w.frames[w.done : w.done + n_frames] for w in group])  # [B, n, 7]
+        return np.concatenate([c.reshape(len(group), -1) for c in frames_to_snac_codes(frames)], axis=1)
+
+    def _at_edge(self, group: list[_Work], n_frames: int) -> bool:
+        """Whether some row's step touches the zero padding before its first frame or after its last."""
+        return any(
+            w.session.frames_in < self._start_edge_frames
+            or (w.session.total_frames is not None and w.session.frames_in + n_frames > w.session.total_frames)
+            for w in group
+        )
+
+    def _step(self, group: list[_Work], n_frames: int) -> torch.Tensor:
+        """One forward step on tensors shaped for exactly this group; returns its audio [B, n * spf]."""
         batch = len(group)
         rows = [w.session.row for w in group]
-        frames = np.stack([w.frames[w.done : w.done + n_frames] for w in group])  # [B, n, 7]
-        # c0 [B, n] | c1 [B, 2n] | c2 [B, 4n], side by side: one host-to-device copy.
-        codes = np.concatenate([c.reshape(batch, -1) for c in frames_to_snac_codes(frames)], axis=1)
-        codebooks = self._transfer.codes_to_device(codes).split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
-        latent = None
-        for table, codebook, stride in zip(self._latent_tables, codebooks, _ORPHEUS_VQ_STRIDES, strict=True):
-            part = F.embedding(codebook, table).repeat_interleave(stride, dim=1)  # [B, n*4, D]
-            latent = part if latent is None else latent + part
-        x = latent.transpose(1, 2)  # [B, D, n*4]
-
+        codes = self._transfer.codes_to_device(self._step_codes(group, n_frames))  # one host-to-device copy
         contiguous = rows == list(range(rows[0], rows[0] + batch))
         if contiguous:
             state = self._pool[rows[0] : rows[0] + batch]  # a view: updated in place
@@ -521,18 +614,112 @@ class StatefulDecoder:
             # Through the pinned ring (transfer.py): a pageable copy would wait for this stream's queued work.
             row_index = self._transfer.codes_to_device(np.asarray(rows, dtype=np.int64))
             state = self._pool.index_select(0, row_index)  # [B, state_size]
+        edges = None
+        if self._at_edge(group, n_frames):
+            positions = np.array([[w.session.frames_in, _NO_END if w.session.total_frames is None
+                                   else w.session.total_frames] for w in group], dtype=np.int64)
+            edges = self._transfer.codes_to_device(positions).unbind(1)  # one pinned copy (transfer.py)
+        pcm = self._forward(codes, state, edges, n_frames)
+        if not contiguous:
+            self._pool.index_copy_(0, row_index, state)
+        return pcm
+
+    def _step_static(self, group: list[_Work], n_frames: int) -> torch.Tensor:
+        """One forward step on the fixed buffers of its padded shape (module doc); returns [B, n * spf]."""
+        batch = len(group)
+        shape = self._static_shape(next(b for b in self.batch_buckets if b >= batch), n_frames,
+                                   self._at_edge(group, n_frames))
+        bucket = shape.batch
+        host = np.zeros((3, bucket), dtype=np.int64)  # rows, first, total (the codes follow them)
+        host[0, :batch] = [w.session.row for w in group]
+        host[0, batch:] = self._zero_row
+        host[1, :batch] = [w.session.frames_in for w in group]
+        host[2, :] = _NO_END
+        host[2, :batch] = [_NO_END if w.session.total_frames is None else w.session.total_frames for w in group]
+        codes = np.zeros((bucket, TOKENS_PER_FRAME * n_frames), dtype=np.int64)  # padding rows: code 0
+        codes[:batch] = self._step_codes(group, n_frames)
+        self._transfer.copy_to_device(np.concatenate([host.reshape(-1), codes.reshape(-1)]), shape.inputs)
+        torch.index_select(self._pool, 0, shape.rows, out=shape.state)  # gather: [bucket, state_size]
+        if shape.graph is not None:
+            shape.graph.replay()
+            assert shape.output is not None
+            pcm = shape.output[:batch].clone()  # the next replay of this shape overwrites the output
+        else:
+            pcm = self._forward_static(shape)[:batch]
+        self._pool.index_copy_(0, shape.rows[:batch], shape.state[:batch])  # scatter the real rows only
+        return pcm
+
+    def _static_shape(self, bucket: int, n_frames: int, edges: bool) -> _StaticShape:
+        key = (bucket, n_frames, edges)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if self.cuda_graphs:
+                raise RuntimeError(f"no CUDA graph was captured for step shape {key}")
+            shape = self._shapes[key] = self._make_static_shape(bucket, n_frames, edges)
+        return shape
+
+    def _make_static_shape(self, bucket: int, n_frames: int, edges: bool) -> _StaticShape:
+        inputs = self._static_inputs[: bucket * (3 + TOKENS_PER_FRAME * n_frames)]
+        rows, first, total, codes = inputs.split([bucket, bucket, bucket, bucket * TOKENS_PER_FRAME * n_frames])
+        return _StaticShape(bucket, n_frames, edges, inputs, rows, first, total,
+                            codes.view(bucket, TOKENS_PER_FRAME * n_frames), self._static_state[:bucket])
+
+    def _forward_static(self, shape: _StaticShape) -> torch.Tensor:
+        edges = (shape.first, shape.total) if shape.edges else None
+        return self._forward(shape.codes, shape.state, edges, shape.n_frames)
+
+    def _capture_graphs(self) -> None:
+        """One CUDA graph per static shape, largest first, all in one memory pool (as the engine's decode graphs).
+
+        The static buffers hold zeros meanwhile (code 0, zero state); each shape runs once eagerly before its
+        capture (kernel selection, library handles). Captured on a stream of their own
+        that first waits for everything queued so far (weights, buffers)."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for bucket in reversed(self.batch_buckets):
+                for n_frames in self.step_frames:  # largest first
+                    for edges in (True, False):
+                        shape = self._shapes[(bucket, n_frames, edges)] = self._make_static_shape(
+                            bucket, n_frames, edges)
+                        self._forward_static(shape)
+                        graph = torch.cuda.CUDAGraph()
+                        if self.noise and self._generator is not None:
+                            graph.register_generator_state(self._generator)  # replays draw fresh noise from it
+                        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                            shape.output = self._forward_static(shape)
+                        shape.graph = graph
+        stream.synchronize()
+        self._static_state.zero_()
+
+    def _forward(self, codes: torch.Tensor, state: torch.Tensor, edges: tuple[torch.Tensor, torch.Tensor] | None,
+                 n_frames: int) -> torch.Tensor:
+        """The layers over one step: codes [B, 7n] and state [B, state_size] (updated in place) -> audio
+        [B, n * spf]. `edges` (first, total) [B] each when some row is at an utterance edge."""
+        batch = codes.shape[0]
+        codebooks = codes.split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
+        latent = None
+        for table, codebook, stride in zip(self._latent_tables, codebooks, _ORPHEUS_VQ_STRIDES, strict=True):
+            part = F.embedding(codebook, table)  # [B, n*4/stride, D]
+            # Each code's latent held for `stride` samples: repeat_interleave as a broadcast, which never asks
+            # the device for its output size (a CUDA graph capture must not wait on the device).
+            part = part[:, :, None, :].expand(batch, part.shape[1], stride, part.shape[2]).reshape(
+                batch, -1, part.shape[2])  # [B, n*4, D]
+            latent = part if latent is None else latent + part
+        x = latent.transpose(1, 2)  # [B, D, n*4]
         ctx = _StepContext(
             states=[state[:, off : off + size].view(batch, c, t) for off, c, t, size in self._state_slots],
-            outside=self._edge_masks(group, n_frames),
+            outside=None if edges is None else self._edge_masks(*edges, n_frames),
             noise=self.noise,
             generator=self._generator,
         )
         for op in self._ops:
             x = op.step(x, ctx)
-        pcm = x[:, 0]  # [B, n * samples_per_frame]
-        if not contiguous:
-            self._pool.index_copy_(0, row_index, state)
+        return x[:, 0]  # [B, n * samples_per_frame]
 
+    def _advance(self, group: list[_Work], n_frames: int, output: int) -> None:
+        """After a step: each row's share of its audio (as a piece of step `output`) and its new position."""
         spf = self.samples_per_frame
         for batch_row, w in enumerate(group):
             session = w.session
@@ -542,23 +729,13 @@ class StatefulDecoder:
             if session.total_frames is not None:
                 hi = min(hi, session.total_frames * spf)
             if hi > lo:
-                w.pieces.append((pcm, batch_row, lo - start, hi - start))
+                w.pieces.append((output, batch_row, lo - start, hi - start))
             session.frames_in += n_frames
             w.done += n_frames
 
-    def _edge_masks(self, group: list[_Work], n_frames: int) -> list[torch.Tensor] | None:
-        """Per windowed layer, [B, 1, T] True where its input lies before time 0 or past the utterance end."""
-        at_edge = any(
-            w.session.frames_in < self._start_edge_frames
-            or (w.session.total_frames is not None and w.session.frames_in + n_frames > w.session.total_frames)
-            for w in group
-        )
-        if not at_edge:
-            return None
-        no_end = np.iinfo(np.int64).max // 2**20
-        edges = np.array([[w.session.frames_in, no_end if w.session.total_frames is None else w.session.total_frames]
-                          for w in group], dtype=np.int64)
-        first, total = self._transfer.codes_to_device(edges).unbind(1)  # one pinned copy (transfer.py)
+    def _edge_masks(self, first: torch.Tensor, total: torch.Tensor, n_frames: int) -> list[torch.Tensor]:
+        """Per windowed layer, [B, 1, T] True where its input lies before time 0 or past the utterance end;
+        `first` [B]: frames each row had stepped before this step, `total` [B]: its length in frames."""
         first, total = first[:, None], total[:, None]  # [B, 1]
         masks = []
         for edge in self._edges:
@@ -567,10 +744,12 @@ class StatefulDecoder:
             masks.append(((time < 0) | (time >= total * r))[:, None, :])  # [B, 1, T]
         return masks
 
-    def _collect(self, work: list[_Work]) -> list[np.ndarray]:
-        """Each push's audio as float32 numpy, with one device-to-host copy for the whole call."""
+    def _collect(self, work: list[_Work], outputs: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each push's audio as float32 numpy: every step's output in one device-to-host copy, cut on the host."""
         if not work:
             return []
-        empty = torch.zeros(0, device=self.device, dtype=self.dtype)
-        per_push = [torch.cat([pcm[row, lo:hi] for pcm, row, lo, hi in w.pieces]) if w.pieces else empty for w in work]
-        return self._transfer.audio_to_host(per_push)
+        flat = self._transfer.audio_to_host([pcm.reshape(-1) for pcm in outputs])
+        host = [audio.reshape(pcm.shape[0], -1) for audio, pcm in zip(flat, outputs, strict=True)]  # [B, T] each
+        empty = np.zeros(0, dtype=np.float32)
+        return [np.concatenate([host[step][row, lo:hi] for step, row, lo, hi in w.pieces]) if w.pieces else empty
+                for w in work]

@@ -13,7 +13,8 @@ and sampling buffers for max_batch_size rows). On CUDA with decode graphs it als
 scratch cache row that the graphs' padding rows write into, and the graphs' shared memory pool
 (the activations of the largest captured decode: max_batch_size rows attending over
 max_seq_len). When the SNAC decoder runs on the same GPU, its weights and working memory
-(`vram_budget.snac_bytes`) are reserved too: it is loaded after the engine, and a plan that
+(`vram_budget.snac_bytes`, plus `snac_graph_pool_bytes` when the stateful decoder replays CUDA
+graphs) are reserved too: it is loaded after the engine, and a plan that
 took the whole card would leave it nothing. The engine plans first and refuses, with the
 numbers, a configuration that cannot fit, instead of failing half-way through start-up or,
 worse, at the first busy moment.

@@ -240,7 +240,11 @@ def _codec_share_bytes(config: Config, device: str) -> int:
 
     codec = config.codec
     beside = codec.decoder != "sim" and same_device(torch.device(resolve_device(codec.device)), torch.device(device))
-    return vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) if beside else 0
+    if not beside:
+        return 0
+    graphs = codec.decoder == "stateful" and codec.cuda_graphs and torch.device(device).type == "cuda"
+    return vram_budget.snac_bytes(codec.max_batch, CODEC_STEP_FRAMES) \
+        + (vram_budget.snac_graph_pool_bytes(codec.max_batch) if graphs else 0)  # its graphs' pool (codec/stateful.py)
 
 
 def _lora_kernel(name: str, device: torch.device) -> str:

@@ -163,6 +163,22 @@ def snac_bytes(batch_windows: int, window_frames: int) -> int:
     return weights + activations
 
 
+SNAC_STATE_PER_SESSION = 119_232  # elements of the stateful decoder's per-session layer state (codec/stateful.py)
+SNAC_GRAPH_STEP_FRAMES = 4  # the widest step the stateful decoder's CUDA graphs capture (step_frames 1, 2, 4)
+
+
+def snac_graph_pool_bytes(max_batch: int) -> int:
+    """FP16 memory the stateful decoder's CUDA graphs hold beyond `snac_bytes` (estimate): the shared pool, sized
+    by the widest capture (max_batch rows of 4 frames: captures run largest first and reuse the pool), each
+    graph's output (buckets 1, 2, 4, ... max_batch sum to under 2·max_batch rows; frames 1 + 2 + 4; with and
+    without edge masks), and the fixed state buffer a step gathers into."""
+    activations = max_batch * SNAC_GRAPH_STEP_FRAMES * SNAC_SAMPLES_PER_FRAME * SNAC_LAST_STAGE_CHANNELS \
+        * SNAC_LIVE_TENSORS * 2
+    outputs = 2 * (2 * max_batch) * (1 + 2 + 4) * SNAC_SAMPLES_PER_FRAME * 2
+    state = (max_batch + 1) * SNAC_STATE_PER_SESSION * 2
+    return activations + outputs + state
+
+
 def runtime_activation_bytes(dims: LlamaDims, max_num_tokens: int, max_batch_size: int) -> int:
     """One context pass of max_num_tokens in FP16 + FP32 logits of a full batch (estimate)."""
     widest = 4 * dims.hidden_size + 2 * dims.intermediate_size
