@@ -667,7 +667,7 @@ def stage_codec(run: StageRun) -> None:
                   f"{audio_s / median:.1f} audio s per s", flush=True)
             render()
             run.save()
-        if run.left() > 75:  # leaves the overlap its 45 s
+        if run.left() > shapes.codec_overlap_min_s + 30:  # leaves the overlap its time
             # The decoder's choice of one graph per (bucket, frames) against one frame per replay (stateful.py).
             one_frame = StatefulDecoder(model, max_batch=max_batch, noise=False, static=True, cuda_graphs=cuda,
                                         step_frames=(1,))
