@@ -81,3 +81,38 @@ def test_streaming_sessions_bring_one_step_each_and_every_frame_is_decoded_once(
         reference = decode_offline(snac, frames[k])
         assert streamed.shape == reference.shape
         np.testing.assert_allclose(streamed, reference, atol=1e-4)
+
+
+def test_a_pass_waits_for_a_fuller_batch_unless_a_client_runs_short(snac) -> None:
+    rng = np.random.default_rng(8)
+    keys = [f"w{i}" for i in range(17)]
+    frames = {k: rng.integers(0, P.CODEBOOK_SIZE, size=(8, 7), dtype=np.int64) for k in keys}
+    held = dict.fromkeys(keys, 1.0)
+    results = threading.Semaphore(0)
+    decoder = RecordingDecoder(snac, max_batch=64, noise=False)
+    decoder.calls = []
+    # A wait far longer than the test: only a full batch or a short client makes a pass.
+    worker = CodecWorker(decoder, lambda r: results.release(), held_audio_s=lambda ks: [held[k] for k in ks],
+                         min_pass_frames=32, max_pass_wait_s=600.0)
+    worker.submit_many([CodecPush(k, frames[k][:3]) for k in keys])  # first pushes go at once (first audio)
+    worker.start()
+    try:
+        for _ in keys:
+            assert results.acquire(timeout=60)
+        assert len(decoder.calls) == 1
+        # 15 sessions x 2 frames = 30 pending, under 32, every client holding a second: no pass.
+        worker.submit_many([CodecPush(k, frames[k][3:5]) for k in keys[:15]])
+        assert not results.acquire(timeout=0.5)
+        assert len(decoder.calls) == 1
+        # Two more make 34: one pass of all 17.
+        worker.submit_many([CodecPush(k, frames[k][3:5]) for k in keys[15:]])
+        for _ in keys:
+            assert results.acquire(timeout=60)
+        assert len(decoder.calls) == 2 and len(decoder.calls[1]) == 17
+        # One client short of audio: its push goes at once, alone.
+        held["w0"] = 0.1
+        worker.submit(CodecPush("w0", frames["w0"][5:7]))
+        assert results.acquire(timeout=60)
+        assert decoder.calls[2] == {"w0": 2}
+    finally:
+        worker.stop(timeout_s=30, drain=False)

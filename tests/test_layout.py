@@ -30,6 +30,7 @@ API_WRAPPERS = "orpheus_serve.deploy"
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {""},  # __version__
     {"config"},
+    {"shapes"},  # padded batch buckets (CUDA graphs of the engine and the codec)
     {"token_format"},
     {"audio"},  # PCM and audio encodings
     {"proto"},  # the gRPC messages (their audio-encoding table comes from audio/)

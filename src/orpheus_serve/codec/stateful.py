@@ -106,7 +106,7 @@ from torch import nn
 
 from orpheus_serve.codec.base import STATEFUL_STEP_FRAMES, CodecPush, CodecResult, step_schedule
 from orpheus_serve.codec.transfer import HostTransfer
-from orpheus_serve.engines.memory import padded_sizes
+from orpheus_serve.shapes import padded_sizes
 from orpheus_serve.token_format import TOKENS_PER_FRAME, frames_to_snac_codes
 
 from .loader import SeededNoiseBlock, full_fp32_convolutions

@@ -32,6 +32,7 @@ from orpheus_serve.engines import vram_budget
 from orpheus_serve.engines.fp8 import fp8_weight_bytes
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.scheduler.step import EngineError
+from orpheus_serve.shapes import padded_sizes
 
 GiB = 1 << 30
 GRAPH_KV_BUCKET = 256  # the smallest KV length a decode graph is captured for
@@ -82,15 +83,6 @@ def graph_pool_bytes(config: LlamaConfig, max_batch_size: int, max_seq_len: int,
     gathered = 2 * rows * config.n_kv_heads * config.head_dim * max_seq_len * dtype_bytes(dtype)
     outputs = len(graph_shapes(max_batch_size, max_seq_len)) * rows * config.dim * dtype_bytes(dtype)
     return activations + scores + gathered + outputs
-
-
-def padded_sizes(limit: int, smallest: int = 1) -> list[int]:
-    """smallest, 2*smallest, 4*smallest, ... below limit, then limit itself."""
-    sizes, size = [], smallest
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, limit]
 
 
 def graph_shapes(max_batch_size: int, max_seq_len: int) -> list[tuple[int, int]]:

@@ -82,7 +82,7 @@ from orpheus_serve.engines.compiled import CompiledDecode
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, kv_torch_dtype, load_transformer, torch_dtype
 from orpheus_serve.engines.lora import AdapterError, LoraBatch, LoraManager, LoraMode, LoraPool
 from orpheus_serve.engines.lora import pool_bytes as lora_pool_bytes
-from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, MemoryPlan, available_bytes, padded_sizes, plan_memory
+from orpheus_serve.engines.memory import GRAPH_KV_BUCKET, MemoryPlan, available_bytes, plan_memory
 from orpheus_serve.engines.sampling import SlotSamplingState, constrained_logits
 from orpheus_serve.engines.sdpa import DEFAULT_SDPA_BACKENDS, pinned_sdpa, sdpa_backends, serving_backend
 from orpheus_serve.engines.transfer import StepReadback, ints_to_device
@@ -94,6 +94,7 @@ from orpheus_serve.scheduler.step import (
     StepPlan,
     sampling_problem,
 )
+from orpheus_serve.shapes import padded_sizes
 
 if TYPE_CHECKING:
     from orpheus_serve.config import Config
