@@ -15,17 +15,18 @@ only once it reaches `max_undecoded_frames`, a second of audio later), so past `
 counts as a falling stream would: admission holds, and past `CODEC_BUSY_BACK_OFF` it backs off.
 
 A stream **keeps real time** when its client's buffer is nearly full (it is ahead: flow control holds it),
-or when it produces at least `1 + margin` times real time (its lead grows) and its client has not run dry
-since the last reading. The others are **falling**. (The lead itself is no threshold: audio arrives in
-pushes of two frames, so a stream running just ahead of real time holds anywhere between 0 and 170 ms.)
+or, its client not having run dry since the last reading, when it produces at least `1 + margin` times
+real time (its lead grows), or at least real time with `LEAD_SAFE_S` in hand (a lead that a moment's
+hiccup does not threaten). The others are **falling**. (A small lead is no alarm by itself: audio arrives
+in pushes of two frames, so a stream running just ahead of real time holds anywhere between 0 and 170 ms.)
 
 The limit (streams admission allows) moves on those readings, never on a prediction:
 
-- **grow** while no stream falls and the streams fill the limit: to what the slowest producer's spare pace
+- **grow** while (almost) no stream falls, `GROW_FALL_SHARE` of them at most, and the streams fill the limit: to what the slowest producer's spare pace
   says the engine carries (`demand * slowest / (1 + margin)`) and the codec's spare time says it carries
   (`demand * CODEC_BUSY_HOLD / codec_busy`), at least one more, at most `GROW_FACTOR` at a time and once
   per `GROW_EVERY_S`, so each rise is measured before the next;
-- **hold** (admit nobody more) while some fall but not more than `fall_share` of them;
+- **hold** (admit nobody more) while more fall, up to `fall_share` of them;
 - **back off** when more fall: to `demand * median production / (1 + margin)` (at most 95% of demand;
   for a full codec `demand * CODEC_BUSY_HOLD / codec_busy`), once per `WINDOW_S`, so a back-off is
   measured before the next. Streams already playing are never cut:
@@ -54,6 +55,8 @@ GROW_EVERY_S = 0.5
 GROW_FACTOR = 1.5
 AHEAD_SHARE = 0.8  # a client holding this share of max_client_buffer_s is ahead (flow control holds it back)
 MAX_BACK_OFF = 0.95  # a back-off admits at most this share of the streams running
+LEAD_SAFE_S = 0.5  # a stream holding this much, produced at real time at least, keeps real time
+GROW_FALL_SHARE = 0.03  # falling streams (a share of those read) that still let the limit grow
 CODEC_BUSY_HOLD = 0.8  # the codec busy this share of the time admits nobody more
 CODEC_BUSY_BACK_OFF = 0.95  # and this share backs off
 
@@ -131,7 +134,7 @@ class LeadAdmission:
                 continue
             rate = (session.generated - generated_then) / (now - then) / TOKENS_PER_SECOND_REALTIME
             rates.append(rate)
-            if rate >= 1.0 + self.margin and not stalled:
+            if not stalled and (rate >= 1.0 + self.margin or (rate >= 1.0 and lead >= LEAD_SAFE_S)):
                 keeping += 1
             else:
                 falling += 1
@@ -167,7 +170,7 @@ class LeadAdmission:
                 self._last_back_off = now
             else:
                 limit = min(limit, demand)
-        elif reading.falling or codec > CODEC_BUSY_HOLD:
+        elif reading.falling > int(GROW_FALL_SHARE * reading.playing) or codec > CODEC_BUSY_HOLD:
             limit = min(limit, demand)
         elif demand >= limit and now - self._last_grow >= GROW_EVERY_S:
             target = limit + max(1, math.ceil(0.1 * limit)) if reading.slowest is None \
