@@ -5,9 +5,10 @@ behind close it or back it off, and a prediction never holds the limit under wha
 from __future__ import annotations
 
 import itertools
+import math
 
 from orpheus_serve.scheduler.flush import FlushPolicy, FrameBuffer
-from orpheus_serve.scheduler.leads import GROW_EVERY_S, TICK_S, WINDOW_S, LeadAdmission
+from orpheus_serve.scheduler.leads import GROW_EVERY_S, GROW_FACTOR, TICK_S, WINDOW_S, LeadAdmission
 from orpheus_serve.scheduler.session import Session, SessionState
 from orpheus_serve.token_format import TOKENS_PER_SECOND_REALTIME
 from tests.test_scheduler import FakeClock, request
@@ -80,10 +81,10 @@ def test_healthy_streams_open_admission_past_a_pessimistic_prediction() -> None:
     limits = play(clock, sessions, 3.0, 1.8, admission, model_limit=1)
     assert admission.reason == "lead"
     # At the first reading the limit jumps to the ten streams keeping real time, then rises past them, at most
-    # 1.5x at a time and at most every GROW_EVERY_S, while they fill it.
+    # GROW_FACTOR at a time and at most every GROW_EVERY_S, while they fill it.
     rises = [(a, b) for a, b in itertools.pairwise(limits) if b > a]
     assert rises[0] == (1, 10), rises
-    assert len(rises) >= 2 and all(b <= -(-a * 3 // 2) for a, b in rises[1:]), rises
+    assert len(rises) >= 2 and all(b <= math.ceil(a * GROW_FACTOR) for a, b in rises[1:]), rises
     assert len(rises) <= 3.0 / GROW_EVERY_S + 1
     assert limits[-1] > 10, limits[-1]
     assert min(limits[round(1.0 / 0.01):]) >= 10
@@ -168,8 +169,9 @@ def test_a_full_codec_holds_and_backs_off_admission_whatever_the_engine_produces
         admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
         limits = play(clock, sessions, 1.6, 3.0, admission, model_limit=20, codec_busy=busy)
         assert admission.last is not None and admission.last.codec_busy == busy and admission.last.falling == 0
-        if expect == "grow":  # to the codec's spare time, 20 * 0.8 / 0.4 = 40, not the engine's 57
-            assert max(limits) == 30 and admission.limit == 30, max(limits)  # 1.5x at a time: 20 -> 30
+        if expect == "grow":  # towards the codec's spare time, 20 * 0.8 / 0.4 = 40, not the engine's 57
+            grown = math.ceil(20 * GROW_FACTOR)  # at most GROW_FACTOR at a time, and 20 fill no more than 20
+            assert max(limits) == grown and admission.limit == grown, max(limits)
         elif expect == "hold":
             assert set(limits) == {20}
         else:  # to 20 * 0.8 / 1.0, though every stream keeps real time (the floor counts streams, not the codec)
@@ -188,3 +190,26 @@ def test_a_stream_with_a_safe_lead_keeps_real_time_at_real_time() -> None:
     play(clock, sessions, 1.0, 1.0, admission, model_limit=2)
     assert admission.last is not None
     assert (admission.last.keeping, admission.last.falling) == (1, 1)
+
+
+def test_a_gateway_behind_holds_growth_and_clients_running_dry_back_it_off() -> None:
+    # Production keeps up (2x real time), but the API process lags: no more streams. Then clients run dry
+    # (what reaches them, not what is produced, is the limit): back off to the share still keeping real time.
+    clock = FakeClock()
+    admission = controller()
+    sessions = streams(clock, 20)
+    admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
+    for _ in range(round(1.5 / TICK_S)):
+        clock.advance(TICK_S)
+        for s in sessions:
+            s.generated += round(2 * TOKENS_PER_SECOND_REALTIME * TICK_S)
+        admission.update(clock(), sessions, demand=20, model_limit=20, slots=512, gateway_lag_s=0.05)
+    assert admission.limit == 20
+    for s in sessions[:12]:
+        s.stalls += 1
+    clock.advance(TICK_S)
+    for s in sessions:
+        s.generated += round(2 * TOKENS_PER_SECOND_REALTIME * TICK_S)
+    admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
+    assert admission.last is not None and admission.last.falling == 12
+    assert admission.limit == 10  # 8 of 20 keep real time: halved at most, once a window

@@ -127,8 +127,10 @@ class FlowControl:
                                       max_pass_s=max_pass_s, headroom=config.admission_headroom,
                                       margin_floor=config.admission_margin_floor)
         margin = config.admission_headroom if config.admission_headroom is not None else config.admission_margin_floor
+        # Growth stops well before the gateway lag that closes admission (max_gateway_lag_ms): a fifth of it.
         self.leads = LeadAdmission(margin=margin, max_client_buffer_s=config.max_client_buffer_s,
-                                   max_server_buffer_s=config.max_server_buffer_s)
+                                   max_server_buffer_s=config.max_server_buffer_s,
+                                   grow_lag_s=0.2 * config.max_gateway_lag_ms / 1000)
         self._limit: int | None = None  # the leads' limit, cached for one scheduler step
         self._limit_step = -1
         self._loop_periods: deque[float] = deque(maxlen=DIAGNOSTIC_SAMPLES)  # recent loop periods, s
@@ -295,7 +297,8 @@ class FlowControl:
         if self._limit is None or self._limit_step != step:
             self._limit = self.leads.update(now, admitted, demand=self.demand(admitted),
                                             model_limit=self.estimate(admitted, step).max_streams,
-                                            slots=self._num_slots, codec_busy=self.codec_busy(now))
+                                            slots=self._num_slots, codec_busy=self.codec_busy(now),
+                                            gateway_lag_s=self._gateway_lag_s)
             self._limit_step = step
         return self._limit
 

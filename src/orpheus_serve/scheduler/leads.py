@@ -26,9 +26,12 @@ The limit (streams admission allows) moves on those readings, never on a predict
   says the engine carries (`demand * slowest / (1 + margin)`) and the codec's spare time says it carries
   (`demand * CODEC_BUSY_HOLD / codec_busy`), at least one more, at most `GROW_FACTOR` at a time and once
   per `GROW_EVERY_S`, so each rise is measured before the next;
-- **hold** (admit nobody more) while more fall, up to `fall_share` of them;
-- **back off** when more fall: to `demand * median production / (1 + margin)` (at most 95% of demand;
-  for a full codec `demand * CODEC_BUSY_HOLD / codec_busy`), once per `WINDOW_S`, so a back-off is
+  and while the API processes keep up (event-loop lag under `grow_lag_s`: past it the host that hands audio
+  to the sockets is the limit, which production does not show);
+- **hold** (admit nobody more) while more fall, up to `fall_share` of them, or while the gateway lags;
+- **back off** when more fall: to `demand * median production / (1 + margin)`, or to the share of streams
+  keeping real time where clients ran dry while production kept up (never below half, at most 95% of
+  demand; for a full codec `demand * CODEC_BUSY_HOLD / codec_busy`), once per `WINDOW_S`, so a back-off is
   measured before the next. Streams already playing are never cut:
   fewer are admitted as they end.
 
@@ -52,7 +55,7 @@ TICK_S = 0.1  # readings at most this often (a plan comes every few ms)
 WINDOW_S = 1.0  # production is measured over this much of a stream's recent life
 MIN_AGE_S = 0.5  # a stream is read once it has played this long (its first tokens were prioritised)
 GROW_EVERY_S = 0.5
-GROW_FACTOR = 1.5
+GROW_FACTOR = 1.25
 AHEAD_SHARE = 0.8  # a client holding this share of max_client_buffer_s is ahead (flow control holds it back)
 MAX_BACK_OFF = 0.95  # a back-off admits at most this share of the streams running
 LEAD_SAFE_S = 0.5  # a stream holding this much, produced at real time at least, keeps real time
@@ -75,8 +78,9 @@ class LeadReading:
 
 class LeadAdmission:
     def __init__(self, *, margin: float, max_client_buffer_s: float, max_server_buffer_s: float,
-                 fall_share: float = 0.05) -> None:
+                 fall_share: float = 0.05, grow_lag_s: float = 0.03) -> None:
         self.margin = margin
+        self.grow_lag_s = grow_lag_s
         self.ahead_s = AHEAD_SHARE * max_client_buffer_s
         self.max_server_buffer_s = max_server_buffer_s
         self.fall_share = fall_share
@@ -91,14 +95,14 @@ class LeadAdmission:
         self._stalls: dict[str, int] = {}
 
     def update(self, now: float, admitted: Collection[Session], *, demand: int, model_limit: int,
-               slots: int, codec_busy: float | None = None) -> int:
+               slots: int, codec_busy: float | None = None, gateway_lag_s: float = 0.0) -> int:
         """The limit now. `demand`: the streams that need real-time production; `model_limit`: the cost model's
         prediction (used only while nothing can be read); `slots`: the ceiling; `codec_busy`: the codec's share
-        of the last second in passes."""
+        of the last second in passes; `gateway_lag_s`: how late the most lagging API process's loop runs."""
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
             self.last = replace(self._read(now, admitted), codec_busy=codec_busy)
-            self._decide(now, self.last, demand, model_limit)
+            self._decide(now, self.last, demand, model_limit, gateway_lag_s)
         if self.limit is None:
             self.limit = model_limit
         self.limit = max(1, min(self.limit, slots))
@@ -150,7 +154,7 @@ class LeadAdmission:
 
     # ------------------------------------------------------------ decisions
 
-    def _decide(self, now: float, reading: LeadReading, demand: int, model_limit: int) -> None:
+    def _decide(self, now: float, reading: LeadReading, demand: int, model_limit: int, lag_s: float) -> None:
         if reading.playing == 0:
             # Nothing to read (cold, idle, or every stream too young): the prediction may ramp up again, but not
             # below what the last readings allowed.
@@ -162,15 +166,19 @@ class LeadAdmission:
         if reading.falling > self.fall_share * reading.playing or codec > CODEC_BUSY_BACK_OFF:
             if now - self._last_back_off >= WINDOW_S:
                 share = MAX_BACK_OFF
-                if reading.median is not None and reading.falling > self.fall_share * reading.playing:
-                    share = min(share, reading.median / (1 + self.margin))
+                if reading.falling > self.fall_share * reading.playing:
+                    if reading.median is not None and reading.median < 1 + self.margin:  # production fell short
+                        share = min(share, reading.median / (1 + self.margin))
+                    else:  # production kept up, clients ran dry: what reaches them is the limit
+                        share = min(share, max(0.5, reading.keeping / reading.playing))
                 if codec > CODEC_BUSY_BACK_OFF:
                     share = min(share, CODEC_BUSY_HOLD / codec)
                 limit = min(limit, math.floor(demand * share))
                 self._last_back_off = now
             else:
                 limit = min(limit, demand)
-        elif reading.falling > int(GROW_FALL_SHARE * reading.playing) or codec > CODEC_BUSY_HOLD:
+        elif (reading.falling > int(GROW_FALL_SHARE * reading.playing) or codec > CODEC_BUSY_HOLD
+              or lag_s > self.grow_lag_s):
             limit = min(limit, demand)
         elif demand >= limit and now - self._last_grow >= GROW_EVERY_S:
             target = limit + max(1, math.ceil(0.1 * limit)) if reading.slowest is None \
