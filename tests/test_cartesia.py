@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -345,8 +346,11 @@ def test_api_key_by_header_query_or_bearer(keyed_server: ServerThread, headers: 
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Basic sk-cartesia"}])
-def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: ServerThread,
-                                                             headers: dict[str, str]) -> None:
+def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: ServerThread, headers: dict[str, str],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """401 with Cartesia's body; the server logs the refusal at INFO and no ERROR line (a client's mistake)."""
+    caplog.set_level(logging.INFO, logger="uvicorn.error")  # the server runs at warning level
+
     async def scenario() -> None:
         async with connect(ws_url(keyed_server), additional_headers=headers):
             pass
@@ -357,6 +361,11 @@ def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: Server
     assert response.status_code == 401
     body = json.loads(response.body)
     assert body["type"] == "error" and body["status_code"] == 401 and "API key" in body["error"]
+    # One more request on the server's event loop: the refused handshake's task has returned by its answer.
+    assert httpx.get(f"{keyed_server.base_url}/health").status_code == 200
+    assert any(r.name == "uvicorn.error" and " 401" in r.getMessage() for r in caplog.records)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
 
 
 def test_with_no_buffer_delay_every_transcript_is_its_own_chunk(server: ServerThread) -> None:

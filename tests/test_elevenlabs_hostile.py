@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,11 @@ async def receive_all(ws: Any) -> list[dict[str, Any]]:
             return replies
 
 
-def test_websocket_handshake_refusals(server: ServerThread) -> None:
+def test_websocket_handshake_refusals(server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    """Refused with the HTTP status and ElevenLabs' body; a client's mistake is no server error, so the
+    server logs no ERROR line for it (uvicorn's sansio protocol did, for every denial response)."""
+    caplog.set_level(logging.INFO, logger="uvicorn.error")  # the server runs at warning level
+
     async def status_of(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
         try:
             async with connect(url, additional_headers=headers):
@@ -120,8 +125,21 @@ def test_websocket_handshake_refusals(server: ServerThread) -> None:
         # The key as a query parameter, as browsers must send it.
         code, _ = await status_of(ws_url(server, "tara/stream-input", xi_api_key=API_KEY), {})
         assert code == 101
+        code, body = await status_of(ws_url(server, "nobody/multi-stream-input"), KEY)
+        assert (code, body["detail"]["status"]) == (404, "voice_not_found")
+        code, body = await status_of(ws_url(server, "tara/stream-input", output_format="mp3_1_2"), KEY)
+        assert (code, body["detail"]["status"]) == (400, "invalid_request")
+        # The native socket's refusal goes the same way.
+        code, body = await status_of(f"ws://127.0.0.1:{server.http_port}/v1/audio/stream", {})
+        assert (code, body["error"]["code"]) == (401, "invalid_api_key")
 
     asyncio.run(scenario())
+    # One more request on the server's event loop: the refused handshakes' tasks have returned by its answer.
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    refusals = [r for r in caplog.records if r.name == "uvicorn.error" and " 40" in r.getMessage()]
+    assert len(refusals) >= 6, [r.getMessage() for r in caplog.records]  # the log was captured
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
 
 
 def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) -> None:
