@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.service.word_timings import words_of
+from tests.cartesia_support import assert_same_audio
 from tests.gateway_support import settled_stats, start_server, stats, tiny_config
 
 API_KEY = "sk-eleven"
@@ -182,6 +183,45 @@ def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) 
     snapshot = settled_stats(lambda: stats(server))
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
     assert snapshot["gateway"]["open_connections"] == 0
+
+
+def test_an_oversized_message_costs_only_its_own_context(server: ServerThread) -> None:
+    """A 100,000-character message (over the socket's old 65,536-byte frame limit, and far over the character
+    limit) for one of two live contexts: an error for that context, and the other finishes its audio whole,
+    the same audio as alone. The socket stays open and closes normally."""
+    greedy = {"stability": 1.0, "similarity_boost": 0.75}
+    huge = "word " * 20_000
+    assert len(huge) == 100_000
+
+    async def speak(with_neighbour: bool) -> tuple[bytes, list[dict[str, Any]], int | None]:
+        async with connect(ws_url(server, "tara/multi-stream-input"), additional_headers=KEY) as ws:
+            await ws.send(json.dumps({"text": " ", "context_id": "kept", "voice_settings": greedy}))
+            await ws.send(json.dumps({"text": TEXT + " ", "context_id": "kept", "flush": True}))
+            replies: list[dict[str, Any]] = []
+            if with_neighbour:
+                await ws.send(json.dumps({"text": " ", "context_id": "hit", "voice_settings": greedy}))
+                await ws.send(json.dumps({"text": "Something else entirely, said at length. ", "context_id": "hit"}))
+                while not any(r.get("audio") and r["contextId"] == "kept" for r in replies):  # both are live
+                    replies.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+                await ws.send(json.dumps({"text": huge, "context_id": "hit"}))
+            await ws.send(json.dumps({"context_id": "kept", "flush": True}))
+            await ws.send(json.dumps({"context_id": "kept", "close_context": True}))
+            await ws.send(json.dumps({"close_socket": True}))
+            replies += await receive_all(ws)
+            audio = b"".join(base64.b64decode(r["audio"]) for r in replies
+                             if r.get("audio") and r["contextId"] == "kept")
+            return audio, replies, ws.close_code
+
+    audio, replies, close_code = asyncio.run(speak(with_neighbour=True))
+    assert close_code == 1000
+    errors = [r for r in replies if "error" in r]
+    assert [(r["contextId"], r["error"], r["code"]) for r in errors] == [("hit", "invalid_request", 400)], errors
+    assert "max_buffered_chars" in errors[0]["message"]
+    assert [r for r in replies if r.get("contextId") == "kept"][-1] == {"isFinal": True, "contextId": "kept"}
+    alone, _, _ = asyncio.run(speak(with_neighbour=False))
+    assert_same_audio(audio, alone)
+    snapshot = settled_stats(lambda: stats(server))
+    assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
 
 
 def test_stream_input_alignment_spans_the_audio(server: ServerThread) -> None:
