@@ -47,9 +47,11 @@ from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.client.protocols import synthesize
 from orpheus_serve.service.build import build_service
 from orpheus_serve.service.word_timings import words_of
+from tests.agent_support import AGENT_INTERRUPTED, AGENT_NEXT, agent_barge_in, run_with_session
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
+    STEPS_AFTER_CLIENT_CANCEL,
     STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
@@ -272,6 +274,24 @@ def test_livekit_stream_word_by_word_and_synthesize(server: ServerThread) -> Non
     native = native_pcm(server, SENTENCE)
     assert_same_audio(whole[:len(native)], native)
     assert len(whole) - len(native) <= 2 * 480 and not any(whole[len(native):])  # at most 20 ms
+    idle(server)
+
+
+def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: ServerThread) -> None:
+    """LiveKit's AgentSession on the ElevenLabs plugin: the plugin flushes each sentence and answers
+    `interrupt()` with one close_context while the LLM is still writing. That close is a barge-in: the turn's
+    generation stops within a step of it, the stream is counted cancelled, and the next turn is served."""
+    server = long_server
+    result = run_with_session(lambda http: agent_barge_in(server, livekit_tts(server, http), "elevenlabs",
+                                                          AGENT_INTERRUPTED, AGENT_NEXT))
+    print(f"LiveKit AgentSession (ElevenLabs) barge-in: engine steps (at most one token each) after the "
+          f"interruption: {result.steps_from_interrupt}; after the server's close: {result.steps_from_close}")
+    assert result.finish_reasons and result.finish_reasons[-1] == "cancelled", result.finish_reasons
+    assert result.steps_from_close <= STEPS_AFTER_SERVER_CANCEL, result.steps_from_close
+    assert result.steps_from_interrupt <= STEPS_AFTER_CLIENT_CANCEL, result.steps_from_interrupt
+    assert result.cancelled == 1
+    assert result.next_turn and all(e["finish_reason"] in ("stop", "length")
+                                    for e in context_sessions(server, AGENT_NEXT[:10]))
     idle(server)
 
 
