@@ -55,6 +55,7 @@ from tests.cartesia_support import (
     STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
+    cancelled_streams,
     context_sessions,
     replay,
     stop_steps,
@@ -378,6 +379,7 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> Non
         at_cancel = before_cancel(server, "elevenlabs")
         await worker.queue_frame(InterruptionFrame())  # the user starts talking
         measured["stopped_within"] = await stop_steps(server, INTERRUPTED[:20], at_cancel, protocol="elevenlabs")
+        measured["cancelled"] = cancelled_streams(server, "elevenlabs") - at_cancel[1]
         measured["after"] = len(recorder.frames)
         await pipecat_reply(worker, SENTENCE, 0.0)
         await recorder.wait_for(TTSStoppedFrame, count=2)
@@ -390,6 +392,8 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> Non
     print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
           f"{from_server}")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
+    assert from_send <= STEPS_AFTER_CLIENT_CANCEL, from_send  # at most one token a step: <= 7 tokens
+    assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
     assert_same_audio(later, asyncio.run(replay(server, response_chunks(server, SENTENCE))))

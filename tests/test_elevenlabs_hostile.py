@@ -185,6 +185,40 @@ def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) 
     assert snapshot["gateway"]["open_connections"] == 0
 
 
+def test_close_context_is_the_end_only_right_after_a_flush_without_text(server: ServerThread) -> None:
+    """As LiveKit sends them: a sentence with its own flush, then close_context, is a barge-in (stopped, counted
+    cancelled, nothing after its isFinal); `{"text": "", "flush": true}` then close_context ends the answer
+    (all of it spoken, counted ok)."""
+    def counts() -> dict[str, int]:
+        return settled_stats(lambda: stats(server))["gateway"]["requests"]["elevenlabs"]
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with connect(ws_url(server, "tara/multi-stream-input"), additional_headers=KEY) as ws:
+            await ws.send(json.dumps({"text": " ", "context_id": "cut"}))
+            await ws.send(json.dumps({"text": TEXT + " ", "context_id": "cut", "flush": True}))
+            replies = [json.loads(await asyncio.wait_for(ws.recv(), 60))]
+            while not replies[-1].get("audio"):
+                replies.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            await ws.send(json.dumps({"context_id": "cut", "close_context": True}))
+            await ws.send(json.dumps({"text": " ", "context_id": "whole"}))
+            await ws.send(json.dumps({"text": TEXT + " ", "context_id": "whole", "flush": True}))
+            await ws.send(json.dumps({"text": "", "context_id": "whole", "flush": True}))
+            await ws.send(json.dumps({"context_id": "whole", "close_context": True}))
+            await ws.send(json.dumps({"close_socket": True}))
+            return replies + await receive_all(ws)
+
+    before = counts()
+    replies = asyncio.run(scenario())
+    after = counts()
+    cut = [r for r in replies if r.get("contextId") == "cut"]
+    assert cut[-1] == {"isFinal": True, "contextId": "cut"} and sum(r == cut[-1] for r in cut) == 1, [{k: v for k, v in r.items() if k != "audio"} for r in cut]
+    whole = [r for r in replies if r.get("contextId") == "whole"]
+    assert whole[-1] == {"isFinal": True, "contextId": "whole"}
+    assert sum(len(base64.b64decode(r["audio"])) for r in whole if r.get("audio")) > 0
+    assert after.get("cancelled", 0) - before.get("cancelled", 0) == 1
+    assert after.get("ok", 0) - before.get("ok", 0) == 1
+
+
 def test_an_oversized_message_costs_only_its_own_context(server: ServerThread) -> None:
     """A 100,000-character message (over the socket's old 65,536-byte frame limit, and far over the character
     limit) for one of two live contexts: an error for that context, and the other finishes its audio whole,
