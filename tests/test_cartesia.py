@@ -431,6 +431,29 @@ def test_text_after_the_end_stops_the_context_with_an_error(server: ServerThread
     assert "ended" in log.final["error"]
 
 
+def test_an_oversized_transcript_costs_only_its_own_context(server: ServerThread) -> None:
+    """A 100,000-character transcript (over the old 65,536-byte frame limit) for one of two live contexts: an
+    error for that context; the other finishes its audio whole, the same audio as alone."""
+    kept = "Sure, I can help with that."
+
+    async def scenario(with_neighbour: bool) -> dict[str, ContextLog]:
+        logs: dict[str, ContextLog] = {}
+        async with connect(ws_url(server)) as ws:
+            await ws.send(generation("kept", kept + " ", more=True))
+            if with_neighbour:
+                await ws.send(generation("hit", "Something else entirely, said at length. ", more=True))
+                await receive_until_kind(ws, logs, "kept", "chunk")  # both are live
+                await ws.send(generation("hit", "word " * 20_000, more=True))
+            await ws.send(generation("kept", "", more=False))
+            await receive_until(ws, logs, {"kept", "hit"} if with_neighbour else {"kept"})
+        return logs
+
+    logs = asyncio.run(scenario(with_neighbour=True))
+    assert logs["hit"].final["type"] == "error" and logs["hit"].final["status_code"] == 400, logs["hit"].final
+    assert logs["kept"].final["type"] == "done"
+    assert_same_audio(bytes(logs["kept"].audio), bytes(asyncio.run(scenario(with_neighbour=False))["kept"].audio))
+
+
 def test_contexts_per_socket_are_bounded(server: ServerThread) -> None:
     async def scenario() -> dict:
         async with connect(ws_url(server)) as ws:
