@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -345,8 +346,11 @@ def test_api_key_by_header_query_or_bearer(keyed_server: ServerThread, headers: 
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Basic sk-cartesia"}])
-def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: ServerThread,
-                                                             headers: dict[str, str]) -> None:
+def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: ServerThread, headers: dict[str, str],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """401 with Cartesia's body; the server logs the refusal at INFO and no ERROR line (a client's mistake)."""
+    caplog.set_level(logging.INFO, logger="uvicorn.error")  # the server runs at warning level
+
     async def scenario() -> None:
         async with connect(ws_url(keyed_server), additional_headers=headers):
             pass
@@ -357,6 +361,11 @@ def test_a_missing_or_wrong_key_is_refused_at_the_handshake(keyed_server: Server
     assert response.status_code == 401
     body = json.loads(response.body)
     assert body["type"] == "error" and body["status_code"] == 401 and "API key" in body["error"]
+    # One more request on the server's event loop: the refused handshake's task has returned by its answer.
+    assert httpx.get(f"{keyed_server.base_url}/health").status_code == 200
+    assert any(r.name == "uvicorn.error" and " 401" in r.getMessage() for r in caplog.records)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
 
 
 def test_with_no_buffer_delay_every_transcript_is_its_own_chunk(server: ServerThread) -> None:
@@ -420,6 +429,29 @@ def test_text_after_the_end_stops_the_context_with_an_error(server: ServerThread
     log = asyncio.run(scenario())
     assert log.final["type"] == "error" and log.final["status_code"] == 400
     assert "ended" in log.final["error"]
+
+
+def test_an_oversized_transcript_costs_only_its_own_context(server: ServerThread) -> None:
+    """A 100,000-character transcript (over the old 65,536-byte frame limit) for one of two live contexts: an
+    error for that context; the other finishes its audio whole, the same audio as alone."""
+    kept = "Sure, I can help with that."
+
+    async def scenario(with_neighbour: bool) -> dict[str, ContextLog]:
+        logs: dict[str, ContextLog] = {}
+        async with connect(ws_url(server)) as ws:
+            await ws.send(generation("kept", kept + " ", more=True))
+            if with_neighbour:
+                await ws.send(generation("hit", "Something else entirely, said at length. ", more=True))
+                await receive_until_kind(ws, logs, "kept", "chunk")  # both are live
+                await ws.send(generation("hit", "word " * 20_000, more=True))
+            await ws.send(generation("kept", "", more=False))
+            await receive_until(ws, logs, {"kept", "hit"} if with_neighbour else {"kept"})
+        return logs
+
+    logs = asyncio.run(scenario(with_neighbour=True))
+    assert logs["hit"].final["type"] == "error" and logs["hit"].final["status_code"] == 400, logs["hit"].final
+    assert logs["kept"].final["type"] == "done"
+    assert_same_audio(bytes(logs["kept"].audio), bytes(asyncio.run(scenario(with_neighbour=False))["kept"].audio))
 
 
 def test_contexts_per_socket_are_bounded(server: ServerThread) -> None:

@@ -41,6 +41,7 @@ from pipecat.workers.runner import WorkerRunner
 from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.service.build import build_service
 from orpheus_serve.service.word_timings import words_of
+from tests.agent_support import AGENT_INTERRUPTED, AGENT_NEXT, agent_barge_in, run_with_session
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
@@ -48,6 +49,7 @@ from tests.cartesia_support import (
     STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
+    cancelled_streams,
     context_sessions,
     replay,
     stop_steps,
@@ -197,6 +199,28 @@ def test_livekit_barge_in_stops_one_answer_and_the_next_is_untouched(long_server
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["cartesia"] == 0
 
 
+def test_livekit_agent_session_barge_in_stops_the_turn(long_server: ServerThread) -> None:
+    """LiveKit's AgentSession on the Cartesia plugin: `interrupt()` closes the turn's stream, and the plugin's
+    connection pool drops that socket when the agent next synthesizes (LiveKit 1.8.9 sends no cancel). The
+    server cancels the context as the socket goes: within a step of it, counted cancelled; the next turn is
+    served."""
+    server = long_server
+    result = run_with_session(lambda http: agent_barge_in(server, livekit_tts(server, http), "cartesia",
+                                                          AGENT_INTERRUPTED, AGENT_NEXT, closes_at_next_turn=True))
+    print(f"LiveKit AgentSession (Cartesia) barge-in: engine steps (at most one token each) after the next turn "
+          f"began (the plugin drops the socket): {result.steps_from_interrupt}; after the server's close: "
+          f"{result.steps_from_close}")
+    assert result.finish_reasons and result.finish_reasons[-1] == "cancelled", result.finish_reasons
+    # From the close on, the server's part; before it, the plugin's (it tells the server only once the next
+    # turn's LLM has written and the pool is asked for a socket), printed above.
+    assert result.steps_from_close <= STEPS_AFTER_SERVER_CANCEL, result.steps_from_close
+    assert result.cancelled == 1
+    assert result.next_turn and all(e["finish_reason"] in ("stop", "length")
+                                    for e in context_sessions(server, AGENT_NEXT[:10]))
+    snapshot = settled_stats(lambda: stats(server))
+    assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["cartesia"] == 0
+
+
 # ------------------------------------------------------------------ Pipecat
 
 
@@ -307,6 +331,7 @@ def test_pipecat_barge_in_cancels_one_context_and_the_next_is_untouched(long_ser
         at_cancel = before_cancel(server)
         await worker.queue_frame(InterruptionFrame())  # the user starts talking
         measured["stopped_within"] = await stop_steps(server, INTERRUPTED[:20], at_cancel)
+        measured["cancelled"] = cancelled_streams(server) - at_cancel[1]
         measured["after"] = len(recorder.frames)
         await pipecat_reply(worker, KEPT, 0.0)
         await recorder.wait_for(TTSStoppedFrame, count=2)
@@ -316,7 +341,8 @@ def test_pipecat_barge_in_cancels_one_context_and_the_next_is_untouched(long_ser
     print(f"Pipecat barge-in: engine steps after the cancel: {from_send} from the interruption, {from_server} from "
           "the server's cancel")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= STEPS_AFTER_CLIENT_CANCEL, from_send
+    assert from_send <= STEPS_AFTER_CLIENT_CANCEL, from_send  # at most one token a step: <= 7 tokens
+    assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = [f for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame)]
     kept = b"".join(f.audio for f in later)

@@ -47,12 +47,15 @@ from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.client.protocols import synthesize
 from orpheus_serve.service.build import build_service
 from orpheus_serve.service.word_timings import words_of
+from tests.agent_support import AGENT_INTERRUPTED, AGENT_NEXT, agent_barge_in, run_with_session
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
+    STEPS_AFTER_CLIENT_CANCEL,
     STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
+    cancelled_streams,
     context_sessions,
     replay,
     stop_steps,
@@ -275,6 +278,24 @@ def test_livekit_stream_word_by_word_and_synthesize(server: ServerThread) -> Non
     idle(server)
 
 
+def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: ServerThread) -> None:
+    """LiveKit's AgentSession on the ElevenLabs plugin: the plugin flushes each sentence and answers
+    `interrupt()` with one close_context while the LLM is still writing. That close is a barge-in: the turn's
+    generation stops within a step of it, the stream is counted cancelled, and the next turn is served."""
+    server = long_server
+    result = run_with_session(lambda http: agent_barge_in(server, livekit_tts(server, http), "elevenlabs",
+                                                          AGENT_INTERRUPTED, AGENT_NEXT))
+    print(f"LiveKit AgentSession (ElevenLabs) barge-in: engine steps (at most one token each) after the "
+          f"interruption: {result.steps_from_interrupt}; after the server's close: {result.steps_from_close}")
+    assert result.finish_reasons and result.finish_reasons[-1] == "cancelled", result.finish_reasons
+    assert result.steps_from_close <= STEPS_AFTER_SERVER_CANCEL, result.steps_from_close
+    assert result.steps_from_interrupt <= STEPS_AFTER_CLIENT_CANCEL, result.steps_from_interrupt
+    assert result.cancelled == 1
+    assert result.next_turn and all(e["finish_reason"] in ("stop", "length")
+                                    for e in context_sessions(server, AGENT_NEXT[:10]))
+    idle(server)
+
+
 # ------------------------------------------------------------------ Pipecat
 
 
@@ -358,6 +379,7 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> Non
         at_cancel = before_cancel(server, "elevenlabs")
         await worker.queue_frame(InterruptionFrame())  # the user starts talking
         measured["stopped_within"] = await stop_steps(server, INTERRUPTED[:20], at_cancel, protocol="elevenlabs")
+        measured["cancelled"] = cancelled_streams(server, "elevenlabs") - at_cancel[1]
         measured["after"] = len(recorder.frames)
         await pipecat_reply(worker, SENTENCE, 0.0)
         await recorder.wait_for(TTSStoppedFrame, count=2)
@@ -370,6 +392,8 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> Non
     print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
           f"{from_server}")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
+    assert from_send <= STEPS_AFTER_CLIENT_CANCEL, from_send  # at most one token a step: <= 7 tokens
+    assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
     assert_same_audio(later, asyncio.run(replay(server, response_chunks(server, SENTENCE))))

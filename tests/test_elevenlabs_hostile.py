@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.service.word_timings import words_of
+from tests.cartesia_support import assert_same_audio
 from tests.gateway_support import settled_stats, start_server, stats, tiny_config
 
 API_KEY = "sk-eleven"
@@ -102,7 +104,11 @@ async def receive_all(ws: Any) -> list[dict[str, Any]]:
             return replies
 
 
-def test_websocket_handshake_refusals(server: ServerThread) -> None:
+def test_websocket_handshake_refusals(server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    """Refused with the HTTP status and ElevenLabs' body; a client's mistake is no server error, so the
+    server logs no ERROR line for it (uvicorn's sansio protocol did, for every denial response)."""
+    caplog.set_level(logging.INFO, logger="uvicorn.error")  # the server runs at warning level
+
     async def status_of(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
         try:
             async with connect(url, additional_headers=headers):
@@ -120,8 +126,21 @@ def test_websocket_handshake_refusals(server: ServerThread) -> None:
         # The key as a query parameter, as browsers must send it.
         code, _ = await status_of(ws_url(server, "tara/stream-input", xi_api_key=API_KEY), {})
         assert code == 101
+        code, body = await status_of(ws_url(server, "nobody/multi-stream-input"), KEY)
+        assert (code, body["detail"]["status"]) == (404, "voice_not_found")
+        code, body = await status_of(ws_url(server, "tara/stream-input", output_format="mp3_1_2"), KEY)
+        assert (code, body["detail"]["status"]) == (400, "invalid_request")
+        # The native socket's refusal goes the same way.
+        code, body = await status_of(f"ws://127.0.0.1:{server.http_port}/v1/audio/stream", {})
+        assert (code, body["error"]["code"]) == (401, "invalid_api_key")
 
     asyncio.run(scenario())
+    # One more request on the server's event loop: the refused handshakes' tasks have returned by its answer.
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    refusals = [r for r in caplog.records if r.name == "uvicorn.error" and " 40" in r.getMessage()]
+    assert len(refusals) >= 6, [r.getMessage() for r in caplog.records]  # the log was captured
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
 
 
 def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) -> None:
@@ -164,6 +183,79 @@ def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) 
     snapshot = settled_stats(lambda: stats(server))
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
     assert snapshot["gateway"]["open_connections"] == 0
+
+
+def test_close_context_is_the_end_only_right_after_a_flush_without_text(server: ServerThread) -> None:
+    """As LiveKit sends them: a sentence with its own flush, then close_context, is a barge-in (stopped, counted
+    cancelled, nothing after its isFinal); `{"text": "", "flush": true}` then close_context ends the answer
+    (all of it spoken, counted ok)."""
+    def counts() -> dict[str, int]:
+        return settled_stats(lambda: stats(server))["gateway"]["requests"]["elevenlabs"]
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with connect(ws_url(server, "tara/multi-stream-input"), additional_headers=KEY) as ws:
+            await ws.send(json.dumps({"text": " ", "context_id": "cut"}))
+            await ws.send(json.dumps({"text": TEXT + " ", "context_id": "cut", "flush": True}))
+            replies = [json.loads(await asyncio.wait_for(ws.recv(), 60))]
+            while not replies[-1].get("audio"):
+                replies.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            await ws.send(json.dumps({"context_id": "cut", "close_context": True}))
+            await ws.send(json.dumps({"text": " ", "context_id": "whole"}))
+            await ws.send(json.dumps({"text": TEXT + " ", "context_id": "whole", "flush": True}))
+            await ws.send(json.dumps({"text": "", "context_id": "whole", "flush": True}))
+            await ws.send(json.dumps({"context_id": "whole", "close_context": True}))
+            await ws.send(json.dumps({"close_socket": True}))
+            return replies + await receive_all(ws)
+
+    before = counts()
+    replies = asyncio.run(scenario())
+    after = counts()
+    cut = [r for r in replies if r.get("contextId") == "cut"]
+    assert cut[-1] == {"isFinal": True, "contextId": "cut"} and sum(r == cut[-1] for r in cut) == 1, [{k: v for k, v in r.items() if k != "audio"} for r in cut]
+    whole = [r for r in replies if r.get("contextId") == "whole"]
+    assert whole[-1] == {"isFinal": True, "contextId": "whole"}
+    assert sum(len(base64.b64decode(r["audio"])) for r in whole if r.get("audio")) > 0
+    assert after.get("cancelled", 0) - before.get("cancelled", 0) == 1
+    assert after.get("ok", 0) - before.get("ok", 0) == 1
+
+
+def test_an_oversized_message_costs_only_its_own_context(server: ServerThread) -> None:
+    """A 100,000-character message (over the socket's old 65,536-byte frame limit, and far over the character
+    limit) for one of two live contexts: an error for that context, and the other finishes its audio whole,
+    the same audio as alone. The socket stays open and closes normally."""
+    greedy = {"stability": 1.0, "similarity_boost": 0.75}
+    huge = "word " * 20_000
+    assert len(huge) == 100_000
+
+    async def speak(with_neighbour: bool) -> tuple[bytes, list[dict[str, Any]], int | None]:
+        async with connect(ws_url(server, "tara/multi-stream-input"), additional_headers=KEY) as ws:
+            await ws.send(json.dumps({"text": " ", "context_id": "kept", "voice_settings": greedy}))
+            await ws.send(json.dumps({"text": TEXT + " ", "context_id": "kept", "flush": True}))
+            replies: list[dict[str, Any]] = []
+            if with_neighbour:
+                await ws.send(json.dumps({"text": " ", "context_id": "hit", "voice_settings": greedy}))
+                await ws.send(json.dumps({"text": "Something else entirely, said at length. ", "context_id": "hit"}))
+                while not any(r.get("audio") and r["contextId"] == "kept" for r in replies):  # both are live
+                    replies.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+                await ws.send(json.dumps({"text": huge, "context_id": "hit"}))
+            await ws.send(json.dumps({"context_id": "kept", "flush": True}))
+            await ws.send(json.dumps({"context_id": "kept", "close_context": True}))
+            await ws.send(json.dumps({"close_socket": True}))
+            replies += await receive_all(ws)
+            audio = b"".join(base64.b64decode(r["audio"]) for r in replies
+                             if r.get("audio") and r["contextId"] == "kept")
+            return audio, replies, ws.close_code
+
+    audio, replies, close_code = asyncio.run(speak(with_neighbour=True))
+    assert close_code == 1000
+    errors = [r for r in replies if "error" in r]
+    assert [(r["contextId"], r["error"], r["code"]) for r in errors] == [("hit", "invalid_request", 400)], errors
+    assert "max_buffered_chars" in errors[0]["message"]
+    assert [r for r in replies if r.get("contextId") == "kept"][-1] == {"isFinal": True, "contextId": "kept"}
+    alone, _, _ = asyncio.run(speak(with_neighbour=False))
+    assert_same_audio(audio, alone)
+    snapshot = settled_stats(lambda: stats(server))
+    assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
 
 
 def test_stream_input_alignment_spans_the_audio(server: ServerThread) -> None:

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 ENV_PREFIX = "ORPHEUS_SERVE__"
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "model_config.yaml"
+JSON_BYTES_PER_CHAR = 12  # the most one character can take in a JSON string: a surrogate pair, "\\ud83d\\ude00"
+WS_MESSAGE_ENVELOPE_BYTES = 4096  # a text message's other fields (context id, voice and output settings)
 
 
 class ConfigError(ValueError):
@@ -193,6 +195,10 @@ class ServerConfig(_Strict):
     grpc_port: int = Field(50051, ge=0, le=65535)
     api_keys: list[str] = []
     max_body_bytes: int = Field(65536, ge=1024)
+    # The largest WebSocket message read (Config.ws_message_bytes: never less than the longest allowed text needs).
+    # A message over it closes its socket with 1009, every context on it too; text over a character limit in a
+    # smaller message is refused for its own context only.
+    max_ws_message_bytes: int = Field(262144, ge=1024)
     max_connections: int = Field(256, ge=1)
     max_ws_requests_per_connection: int = Field(1000, ge=1)
     max_ws_contexts_per_connection: int = Field(16, ge=1)  # contexts open (running or queued) on one WebSocket
@@ -294,6 +300,14 @@ class Config(_Strict):
     @property
     def active_profile(self) -> ProfileConfig:
         return self.profiles[self.profile]
+
+    @property
+    def ws_message_bytes(self) -> int:
+        """The WebSocket message limit: server.max_ws_message_bytes, raised where needed to fit a message carrying
+        the longest text a request or a context's buffer may hold with every character escaped as a JSON
+        surrogate pair (12 bytes), plus the message's other fields."""
+        longest = max(self.active_profile.max_text_chars, self.stream_input.max_buffered_chars)
+        return max(self.server.max_ws_message_bytes, JSON_BYTES_PER_CHAR * longest + WS_MESSAGE_ENVELOPE_BYTES)
 
 
 def _format_error(exc: ValidationError) -> str:

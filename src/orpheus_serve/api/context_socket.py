@@ -124,6 +124,12 @@ class ContextSocket:
         except asyncio.TimeoutError:
             self._cut_off()
             raise ClientStalledError("the client stopped reading") from None
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # A context stopped (a barge-in) in the very instant its send completed: before Python 3.12,
+            # wait_for then returns the send's result and the cancel is lost (gh-86296), and the context went
+            # on, its generation too, until its text timed out (stream_input.idle_timeout_s).
+            raise asyncio.CancelledError
 
     async def _send_locked(self, text: str) -> None:
         async with self._send_lock:

@@ -30,10 +30,11 @@ WebSocket /v1/text-to-speech/{voice_id}/multi-stream-input (many contexts per so
 `context_id` (absent: the socket's default context); replies carry `contextId`:
     the first message of a context opens it (`voice_settings` fixed from then on); `{"text": ""}` keeps it alive;
     `{"flush": true}` speaks what is buffered now;
-    `{"close_context": true}` ends it: after a flush with nothing sent since, the flushed audio finishes and
-        `isFinal` follows (the end of an answer, as LiveKit and Pipecat send it); with text sent since the last
-        flush, none ever flushed, or on a context closed already, it is a barge-in: generation stops now and
-        nothing more is sent but `{"isFinal": true, "contextId"}`;
+    `{"close_context": true}` ends it: right after a flush that brought no text (`{"flush": true}` or
+        `{"text": "", "flush": true}`: the end of an answer, as LiveKit and Pipecat send it) the flushed audio
+        finishes and `isFinal` follows; any other close (text or a sentence's own flush last, never flushed, or
+        a context closed already) is a barge-in: generation stops now and nothing more is sent but
+        `{"isFinal": true, "contextId"}`;
     `{"close_socket": true}` ends every context's text; the socket closes once all are spoken.
 
 Voices: an Orpheus voice (or OpenAI alias) or a custom voice (service/voices.py) as `voice_id`; any other id
@@ -448,9 +449,10 @@ class _Context:
     request: SynthesisRequest
     output: OutputOptions
     task: asyncio.Task[None] | None = None
-    # Text pushed since the last flush: a close_context then is a barge-in, not the end of an answer.
-    unflushed: bool = False
-    flushed: bool = False
+    # The context's last message was a flush that brought no text of its own: the client's "that is all"
+    # (LiveKit's `{"text": "", "flush": true}`, Pipecat's `{"flush": true}`). Only a close_context right after
+    # one is the end of an answer; any other is a barge-in (docs/API.md, "When a close is a barge-in").
+    text_complete: bool = False
     sentence_ended: bool = False  # the last piece ended with a sentence mark and no space
 
 
@@ -532,9 +534,9 @@ class ElevenLabsSocket(ContextSocket):
         ctx = self._contexts.get(context_id)
         if self.spec.multi and wire.close_context:
             if ctx is not None:
-                # After a flush with nothing sent since, the end of an answer; otherwise (text not flushed, or
-                # the context closed already) a barge-in.
-                await self._close_context(ctx, graceful=ctx.flushed and not ctx.unflushed and not ctx.text.ended)
+                # Right after a flush without text, the end of an answer; otherwise (text or a sentence's flush
+                # last, or the context closed already) a barge-in.
+                await self._close_context(ctx, graceful=ctx.text_complete and not ctx.text.ended)
             elif context_id not in self._finished:
                 await self._send(self._reply(context_id, isFinal=True))
             return None
@@ -562,10 +564,11 @@ class ElevenLabsSocket(ContextSocket):
                     piece = " " + piece
                 ctx.text.push(piece)
                 ctx.sentence_ended = piece[-1] in SENTENCE_END
-                ctx.unflushed = ctx.unflushed or bool(piece.strip())
             if wire.flush:
                 ctx.text.flush()
-                ctx.flushed, ctx.unflushed = True, False
+                ctx.text_complete = not piece.strip()
+            elif piece.strip():
+                ctx.text_complete = False
         except InvalidRequestError as exc:
             if ctx.task is None:
                 self._contexts.pop(context_id, None)

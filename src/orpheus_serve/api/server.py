@@ -157,7 +157,7 @@ class OrpheusServer:
         self.http_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(
             self.app, log_level=server_cfg.log_level, log_config=None, lifespan="off", ws=WebSocketProtocol,
-            ws_max_size=server_cfg.max_body_bytes, timeout_graceful_shutdown=_LISTENER_CLOSE_S,
+            ws_max_size=self.config.ws_message_bytes, timeout_graceful_shutdown=_LISTENER_CLOSE_S,
             access_log=server_cfg.log_level == "debug")
         self._uvicorn = _UvicornServer(uv_config)
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")

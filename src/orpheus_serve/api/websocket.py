@@ -82,11 +82,23 @@ def _error_text(exc: SynthesisError, request_id: str | None = None) -> str:
 
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's websockets-sansio protocol (server.py passes it to uvicorn), with one change.
+    """uvicorn's websockets-sansio protocol (server.py passes it to uvicorn), with two changes.
 
     A text message that is not valid UTF-8 never reaches the app: the protocol must fail the
     connection with 1007 (RFC 6455 §8.1), which uvicorn does without a word. Here the client
-    first gets this API's JSON error message, so it learns what was wrong; then the same close."""
+    first gets this API's JSON error message, so it learns what was wrong; then the same close.
+
+    A handshake refused with an HTTP response (the ASGI websocket denial response: a wrong key,
+    an unknown voice, a bad output format) is a finished handshake. uvicorn 0.54's sansio protocol
+    writes the response but leaves `handshake_complete` unset, so each refusal logged
+    `ERROR ... ASGI callable returned without completing handshake.` (its wsproto protocol sets it;
+    upstream: Kludex/uvicorn PR #3138). A client's mistake is logged at INFO, as uvicorn logs the
+    status line, and never as a server error."""
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            self.handshake_complete = True
 
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:
