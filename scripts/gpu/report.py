@@ -37,6 +37,30 @@ STAGE_BEGIN = "<!-- gpu-kit:stage {} -->"
 STAGE_END = "<!-- gpu-kit:stage-end {} -->"
 
 
+def profile_tables(profile: dict | None, title: str) -> str:
+    """Markdown for a `profile` object (engine.json, serve.json; engines/profiling.py): one line per profiled
+    batch (kernels per step, busy and idle), then its top kernels with their share of the device time."""
+    if not profile or not profile.get("batches"):
+        return ""
+    out = [f"{title}:", "", "| batch | activity | steps | step ms | busy ms / step | kernels / step | idle share |",
+           "|---|---|---|---|---|---|---|"]
+    for b in profile["batches"]:
+        out.append(f"| {b['batch']} | {b['activity']} | {b['steps']} | {b['step_ms']} | {b['busy_ms_per_step']} | "
+                   f"{b['kernels_per_step']} | {b['idle_share']:.1%} |")
+    for b in profile["batches"]:
+        out += ["", f"Top kernels at batch {b['batch']}:", "", "| kernel | share | ms / step | calls / step |",
+                "|---|---|---|---|"]
+        out += [f"| `{k['name'].replace('|', '/')[:100]}` | {k['share']:.1%} | {k['ms_per_step']} | "
+                f"{k['calls_per_step']} |" for k in b["top_kernels"]]
+    others = profile.get("variants") or {}
+    if others:
+        out += ["", "Other variants, same batches:", "", "| variant | batch | step ms | kernels / step | idle share |",
+                "|---|---|---|---|---|"]
+        out += [f"| {name} | {b['batch']} | {b['step_ms']} | {b['kernels_per_step']} | {b['idle_share']:.1%} |"
+                for name, batches in others.items() for b in batches]
+    return "\n".join(out)
+
+
 def stage_block(stage: str, data: dict, table: str) -> str:
     env = data.get("env", {})
     machine = env.get("gpu") or f"CPU, {env.get('cpu_count')} cores"
@@ -46,8 +70,11 @@ def stage_block(stage: str, data: dict, table: str) -> str:
         where += ", DRY RUN: tiny shapes on a CPU, not a measurement"
     if not data.get("complete"):
         where += "; PARTIAL: " + "; ".join(data.get("problems") or ["cut short"])
+    profile = profile_tables(data.get("profile"), f"Profile of the {stage} stage's steps (torch.profiler; idle: "
+                             "no kernel running inside a step's wall time)")
+    table = table.strip() + (f"\n\n{profile}" if profile else "")
     return (f"{STAGE_BEGIN.format(stage)}\n### {STAGE_TITLES[stage]}\n\n{where}; stage took "
-            f"{data.get('stage_seconds')} s.\n\n{table.strip()}\n{STAGE_END.format(stage)}")
+            f"{data.get('stage_seconds')} s.\n\n{table}\n{STAGE_END.format(stage)}")
 
 
 def refusal(data: dict, *, allow_dry_run: bool) -> str | None:
