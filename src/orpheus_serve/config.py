@@ -142,6 +142,9 @@ class EngineConfig(_Strict):
     attention: Literal["auto", "sdpa", "triton"] = "auto"
     kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "auto"
     quantization: Literal["none", "fp8"] = "none"
+    # Fused Triton kernels in the decoder layers (residual add + RMSNorm, with fp8 the activations' quantisation,
+    # SiLU x up, rotary + KV cache write; engines/fused.py). Off until a card's measurement says it wins.
+    fused: bool = False
     tensorrt: TensorRTConfig = TensorRTConfig()
     sim: SimConfig = SimConfig()
 

@@ -186,14 +186,19 @@ def _attention_kernel(name: str, device: torch.device) -> str:
     if name not in ("sdpa", "triton"):
         raise EngineError(f"unknown attention kernel {name!r}; expected auto, sdpa or triton")
     if name == "triton":
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            raise EngineError("engine.attention: triton needs the triton package (pip install triton)") from exc
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise EngineError(f"engine.attention: triton on {device.type} runs in Triton's interpreter only: "
-                              "set TRITON_INTERPRET=1 (slow; for tests) or use attention sdpa")
+        _require_triton("engine.attention: triton", device)
     return name
+
+
+def _require_triton(what: str, device: torch.device) -> None:
+    """EngineError unless Triton kernels can run on `device` (on a CPU: in Triton's interpreter only)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise EngineError(f"{what} needs the triton package (pip install triton)") from exc
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise EngineError(f"{what} on {device.type} runs in Triton's interpreter only: "
+                          "set TRITON_INTERPRET=1 (slow; for tests) or turn it off")
 
 
 class TorchEngine:
@@ -204,11 +209,13 @@ class TorchEngine:
                  memory_fraction: float = 0.9, seed: int | None = None, codec_bytes: int = 0,
                  sdpa: Sequence[str] = DEFAULT_SDPA_BACKENDS, model: Transformer | None = None,
                  adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64,
-                 attention: str = "sdpa", kv_cache_dtype: str | None = None, quantization: str = "none") -> None:
+                 attention: str = "sdpa", kv_cache_dtype: str | None = None, quantization: str = "none",
+                 fused: bool = False) -> None:
         """`sdpa`: the attention kernels PyTorch may pick on CUDA (engines/sdpa.py). `model`: weights already
         loaded from `model_path` on `device` in `dtype`, shared by engines run one after another (a benchmark);
         its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py.
-        `attention` (sdpa | triton), `kv_cache_dtype`, `quantization` (none | fp8): docs/ATTENTION.md."""
+        `attention` (sdpa | triton), `kv_cache_dtype`, `quantization` (none | fp8): docs/ATTENTION.md.
+        `fused`: the decoder layers' fused Triton kernels (engines/fused.py)."""
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = Path(model_path)
@@ -221,6 +228,8 @@ class TorchEngine:
         self._sdpa = sdpa_backends(sdpa)
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else self.dtype
         self.attention = _attention_kernel(attention, self.device)
+        if fused:
+            _require_triton("engine.fused", self.device)
         if quantization not in ("none", "fp8"):
             raise EngineError(f"unknown quantization {quantization!r}; expected none or fp8")
         if quantization == "fp8" and model is not None:
@@ -249,6 +258,7 @@ class TorchEngine:
             self.model = model
             if quantization == "fp8":
                 self.model.quantize_weights_fp8()
+            self.model.use_fused_kernels(fused)  # set either way: a shared model may come from a fused engine
             # With graphs, one extra cache row takes the padding rows' writes.
             self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len,
                                     kv_dtype=self.kv_dtype, attention=self.attention)
@@ -328,6 +338,7 @@ class TorchEngine:
             attention=config.engine.attention,
             kv_cache_dtype=config.engine.kv_cache_dtype,
             quantization=config.engine.quantization,
+            fused=config.engine.fused,
         )
 
     # ------------------------------------------------------------------ TokenEngine
