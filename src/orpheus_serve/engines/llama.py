@@ -273,7 +273,9 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         # decode_attention.decode_attention when single-token passes use the Triton kernel.
         self.decode_kernel: Callable[..., Tensor] | None = None
-        self.fused = False  # rotary + cache write in one kernel (fused.py; Transformer.use_fused_kernels)
+        # Rotary + cache write in one kernel (fused.py) and the decode kernel's pipelined loop
+        # (decode_attention.py): Transformer.use_fused_kernels.
+        self.fused = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor, positions: Tensor,
                 kv_len: int, lora: LayerLora | None = None, lengths: Tensor | None = None,
@@ -302,7 +304,8 @@ class Attention(nn.Module):
         if lengths is not None:
             assert self.decode_kernel is not None and T == 1
             y = self.decode_kernel(q.view(B, H, D), cache.k_cache, cache.v_cache, slots, lengths,
-                                   k_scale=cache.k_scale, v_scale=cache.v_scale).reshape(B, T, H * D)  # [B, H, D]
+                                   k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                   pipelined=self.fused).reshape(B, T, H * D)  # [B, H, D]
         else:
             assert mask is not None
             keys, values = cache.read(slots, kv_len)  # [B, Hkv, S, D]
@@ -383,7 +386,8 @@ class Transformer(nn.Module):
     def use_fused_kernels(self, enabled: bool = True) -> None:
         """Run the decoder layers with fused.py's Triton kernels (`engine.fused`): residual add + RMSNorm (and,
         with FP8 weights, the activations' quantisation) in one kernel, SiLU x up in one, rotary + KV cache
-        write in one. Needs Triton (on a CPU: TRITON_INTERPRET=1)."""
+        write in one, and the Triton decode attention's software-pipelined loop (blocks of equal bytes for
+        every cache dtype). Needs Triton (on a CPU: TRITON_INTERPRET=1)."""
         self.fused = enabled
         for layer in self.layers:
             layer.attention.fused = enabled
