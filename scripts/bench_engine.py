@@ -49,6 +49,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,13 +69,15 @@ from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingPara
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
 # TorchEngine options of each --variants name. The kit's rows (scripts/gpu/kit.py): base (the server's defaults:
 # attention auto), fused (engine.fused), compiled (engine.compile), fp8kv (FP8 KV cache), fp8w (FP8 GEMM
-# weights) and fused+fp8w (FP8 weights with the activations quantised inside the fused norms).
+# weights), fused+fp8kv (with the fused decode attention's FP8 blocks) and fused+fp8w (FP8 weights with the
+# activations quantised inside the fused norms).
 VARIANTS: dict[str, dict[str, str | bool]] = {
     "base": {},
     "fused": {"fused": True},
     "compiled": {"compile": True},
     "fp8kv": {"kv_cache_dtype": "fp8"},
     "fp8w": {"quantization": "fp8"},
+    "fused+fp8kv": {"fused": True, "kv_cache_dtype": "fp8"},
     "fused+fp8w": {"fused": True, "quantization": "fp8"},
     "sdpa": {"attention": "sdpa"},
     "triton": {"attention": "triton"},
@@ -296,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
                 except EngineError as exc:  # the engine refuses this variant here (a kernel it lacks, ...)
                     print(f"{variant}: skipped (the engine refused it: {exc})", flush=True)
                     skipped.append({**where, "reason": f"the engine refused it: {exc}"})
+                    continue
+                except Exception as exc:  # a kernel that fails to compile or run: this variant only, said so
+                    traceback.print_exc()
+                    skipped.append({**where, "reason": f"failed: {type(exc).__name__}: {str(exc)[:300]}",
+                                    "failed": True})
+                    complete = False
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
                     continue
                 for p in measured_profiles:
                     profiles.append({"model": folder.name, "context": context, "variant": variant,

@@ -11,16 +11,17 @@ Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100,
           means the box was not used.
 - engine: writes an Orpheus-3B-shaped random checkpoint (the exact config of
           canopylabs/orpheus-3b-0.1-ft; weight values do not change speed), then
-          `scripts/bench_engine.py` (weights loaded once, straight to the GPU): decode step ms and
-          tokens/s per batch size at two KV lengths, each inside one CUDA-graph bucket, CUDA graphs
-          on and off (the constraint on), the attention kernel that ran; then the memory plan (slots
-          that fit) against the card's free memory. Two sub-steps follow, each skipped (and said so)
-          when too little of the stage's time is left: `scripts/bench_lora.py` on the same checkpoint,
-          a batch of 128 sessions with 0, 8 and 32 distinct random PEFT adapters (rank 16, all seven
-          target modules, CUDA graphs on, pool of 32); then `bench_engine.py --variants` (triton
-          split-K decode attention, + FP8 KV cache, + FP8 linears) at the big points only: batch 128
-          and 256 at KV lengths up to 1,024, graphs on. A sub-step that fails is recorded as failed,
-          with the main numbers kept.
+          `scripts/bench_engine.py --variants` (weights loaded once, straight to the GPU): one engine per
+          variant (base: the server's defaults; fused: engine.fused; compiled: engine.compile; fp8kv;
+          fp8w; fused+fp8kv; fused+fp8w), decode step ms and tokens/s at batch 1, 128 and 256 with KV
+          lengths up to 1,024 (one CUDA-graph bucket), graphs on, the constraint on, each engine's build
+          time, and a torch.profiler profile of each one's step at batch 1 and 256 (engine.json
+          `profile`). A variant this tree cannot build is a row marked skipped, with the reason. Then the
+          memory plan (slots that fit) against the card's free memory, and two sub-steps, each skipped
+          (and said so) when too little of the stage's time is left: `scripts/bench_lora.py`, a batch of
+          128 sessions with 0, 8 and 32 distinct random PEFT adapters (rows lora0/lora8/lora32; rank 16,
+          all seven target modules, CUDA graphs on, pool of 32); `scripts/bench_fp8_gemm.py`, the
+          decoder's GEMM shapes in bf16 and FP8. A sub-step that fails is recorded as failed.
 - codec:  the stateful SNAC decoder in FP16 on its own CUDA stream: ms per decode pass at each
           batch size, audio seconds decoded per GPU second, overlap with engine decode steps (both
           at once against each alone; every step checked to have decoded every row), and FP16 against
@@ -118,7 +119,8 @@ class Shapes:
     lora_reserve_s: float = 60.0  # kept back from the main bench; the sub-step starts only with this left
     # The engine stage's rows (bench_engine.py --variants): each variant at these batch sizes, KV lengths up to
     # variant_context, graphs on; a profile of each variant's step at profile_batches.
-    variants: list[str] = field(default_factory=lambda: ["base", "fused", "compiled", "fp8kv", "fp8w", "fused+fp8w"])
+    variants: list[str] = field(default_factory=lambda: ["base", "fused", "compiled", "fp8kv", "fp8w", "fused+fp8kv",
+                                                         "fused+fp8w"])
     variant_batches: list[int] = field(default_factory=lambda: [1, 128, 256])
     variant_context: int = 1024
     profile_batches: list[int] = field(default_factory=lambda: [1, 256])
@@ -381,7 +383,7 @@ def _junit_failures(path: Path) -> list[tuple[str, str]]:
 
 
 def stage_engine(run: StageRun) -> None:
-    """The variants (base, fused, compiled, fp8kv, fp8w, fused+fp8w) at batch 1, 128 and 256 near 1,024 tokens,
+    """The variants (Shapes.variants: base, fused, compiled, ...) at batch 1, 128 and 256 near 1,024 tokens,
     each engine's build time and a profile of its step at batch 1 and 256; then the LoRA rows
     (lora0/lora8/lora32) and the FP8 GEMMs per shape. README.md states the call plan."""
     shapes = run.shapes
@@ -394,7 +396,9 @@ def stage_engine(run: StageRun) -> None:
                                 profile_batches=shapes.profile_batches)
     if code not in (0, 124):
         run.problem(f"bench_engine.py exited {code}")
-    if not bench.get("complete"):
+    for failed in (s for s in bench.get("skipped", []) if s.get("failed")):
+        run.problem(f"variant {failed['variant']}: {failed['reason']} (sub-step failed)")
+    if not bench.get("complete") and not any(s.get("failed") for s in bench.get("skipped", [])):
         run.problem("not every variant was measured (deadline)")
     from scripts.bench_engine import memory_plan
 
@@ -432,7 +436,7 @@ def engine_profile(bench: dict[str, Any], variant: str = "base") -> dict[str, An
 def variant_rows(shapes: Shapes, bench: dict[str, Any], lora: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per named variant, in the kit's order: measured (step ms and tokens/s per batch size, the
     engine's build time), or skipped / not measured with the reason, never a number."""
-    skipped = {s["variant"]: s["reason"] for s in bench.get("skipped", [])}
+    skipped = {s["variant"]: (s["reason"], "failed" if s.get("failed") else "skipped") for s in bench.get("skipped", [])}
     out: list[dict[str, Any]] = []
     for name in shapes.variants:
         rows = [r for r in bench["rows"] if r["variant"] == name]
@@ -443,8 +447,8 @@ def variant_rows(shapes: Shapes, bench: dict[str, Any], lora: dict[str, Any] | N
                         "step_ms": {str(r["batch"]): r["step_ms"] for r in rows},
                         "tokens_per_s": {str(r["batch"]): r["tokens_per_s"] for r in rows}})
         else:
-            out.append({"variant": name, "status": "skipped",
-                        "reason": skipped.get(name, "not measured (deadline or a failed run)")})
+            reason, status = skipped.get(name, ("not measured (deadline or a failed run)", "skipped"))
+            out.append({"variant": name, "status": status, "reason": reason})
     for count in shapes.lora_counts:
         name = f"lora{count}"
         row = next((r for r in (lora or {}).get("rows", []) if r["adapters"] == count), None)

@@ -19,9 +19,10 @@ rounds (the residual sum, the normalised value before the norm weight, the rotat
 so the two differ only by the order of the fp32 sum of squares and by fused multiply-adds: the last
 bit of an fp32 model, at most one rounding step of a bf16 one (tests/test_fused.py states the tolerance).
 
-e4m3 rounding is done in fp32 before the cast (`_round_e4m3`): round to nearest even on the e4m3 grid
-of the value's binade. The cast then is exact, on the GPU and in Triton's CPU interpreter alike (the
-interpreter's own float-to-e4m3 cast rounds wrongly where the mantissa carries into the exponent).
+Roundings are done by hand before the casts, so the casts are exact on the GPU and in Triton's CPU
+interpreter alike: e4m3 by `_round_e4m3` (round to nearest even on the e4m3 grid of the value's binade;
+the interpreter's own float-to-e4m3 cast rounds wrongly where the mantissa carries into the exponent),
+bf16 by decode_attention's `_round_to` (the interpreter truncates fp32 to bf16).
 
 All three are capture-safe (no host sync; slots and positions are read on the device) and run under
 TRITON_INTERPRET=1 on CPU tensors, which is how the tests check them against the unfused path.
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from orpheus_serve.engines.decode_attention import _round_to
 from orpheus_serve.engines.fp8 import FP8_DTYPE
 
 
@@ -56,13 +58,13 @@ def _add_rms_norm_kernel(Delta, Residual, Weight, ResidualOut, Out, OutFp8, OutS
     x = tl.load(Residual + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         d = tl.load(Delta + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-        x = (x + d).to(ResidualOut.dtype.element_ty)  # the residual stream, rounded as `x + delta` rounds
+        x = _round_to(x + d, ResidualOut.dtype.element_ty)  # the residual stream, rounded as `x + delta` rounds
         tl.store(ResidualOut + row * N + offs, x, mask=mask)
         x = x.to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / N
-    normed = (x * tl.math.rsqrt(mean_square + eps)).to(Out.dtype.element_ty).to(tl.float32)
+    normed = _round_to(x * tl.math.rsqrt(mean_square + eps), Out.dtype.element_ty).to(tl.float32)
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(Out.dtype.element_ty)
+    y = _round_to(w * normed, Out.dtype.element_ty)
     tl.store(Out + row * N + offs, y, mask=mask)
     if FP8:
         _store_fp8_row(y.to(tl.float32), mask, OutFp8 + row * N + offs, OutScale + row)
@@ -83,8 +85,8 @@ def _silu_mul_kernel(GateUp, Out, OutFp8, OutScale, N: tl.constexpr, BLOCK: tl.c
     mask = offs < N
     gate = tl.load(GateUp + row * 2 * N + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(GateUp + row * 2 * N + N + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
-    y = (silu * up).to(Out.dtype.element_ty)
+    silu = _round_to(gate / (1.0 + tl.exp(-gate)), Out.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
+    y = _round_to(silu * up, Out.dtype.element_ty)
     tl.store(Out + row * N + offs, y, mask=mask)
     if FP8:
         _store_fp8_row(y.to(tl.float32), mask, OutFp8 + row * N + offs, OutScale + row)
@@ -107,8 +109,8 @@ def _rope_cache_write_kernel(QKV, Cos, Sin, QOut, KCache, VCache, Slots, Positio
         x1 = tl.load(base + head * D + offs).to(tl.float32)
         x2 = tl.load(base + head * D + HALF + offs).to(tl.float32)
         out = QOut + (token * H + head) * D
-        tl.store(out + offs, (x1 * c - x2 * s).to(QOut.dtype.element_ty))
-        tl.store(out + HALF + offs, (x2 * c + x1 * s).to(QOut.dtype.element_ty))
+        tl.store(out + offs, _round_to(x1 * c - x2 * s, QOut.dtype.element_ty))
+        tl.store(out + HALF + offs, _round_to(x2 * c + x1 * s, QOut.dtype.element_ty))
     else:
         kv = head - H
         k_base = base + (H + kv) * D
@@ -116,8 +118,8 @@ def _rope_cache_write_kernel(QKV, Cos, Sin, QOut, KCache, VCache, Slots, Positio
         k1 = tl.load(k_base + offs).to(tl.float32)
         k2 = tl.load(k_base + HALF + offs).to(tl.float32)
         # Rounded to the model dtype first, as the unfused path stores the rotated k before caching it.
-        r1 = (k1 * c - k2 * s).to(QOut.dtype.element_ty).to(tl.float32)
-        r2 = (k2 * c + k1 * s).to(QOut.dtype.element_ty).to(tl.float32)
+        r1 = _round_to(k1 * c - k2 * s, QOut.dtype.element_ty).to(tl.float32)
+        r2 = _round_to(k2 * c + k1 * s, QOut.dtype.element_ty).to(tl.float32)
         v1 = tl.load(v_base + offs).to(tl.float32)
         v2 = tl.load(v_base + HALF + offs).to(tl.float32)
         slot = tl.load(Slots + token // T)
@@ -130,10 +132,10 @@ def _rope_cache_write_kernel(QKV, Cos, Sin, QOut, KCache, VCache, Slots, Positio
             r2 = _round_e4m3(tl.minimum(tl.maximum(r2 / ks, -448.0), 448.0))
             v1 = _round_e4m3(tl.minimum(tl.maximum(v1 / vs, -448.0), 448.0))
             v2 = _round_e4m3(tl.minimum(tl.maximum(v2 / vs, -448.0), 448.0))
-        tl.store(KCache + dest + offs, r1.to(KCache.dtype.element_ty))
-        tl.store(KCache + dest + HALF + offs, r2.to(KCache.dtype.element_ty))
-        tl.store(VCache + dest + offs, v1.to(VCache.dtype.element_ty))
-        tl.store(VCache + dest + HALF + offs, v2.to(VCache.dtype.element_ty))
+        tl.store(KCache + dest + offs, _round_to(r1, KCache.dtype.element_ty))
+        tl.store(KCache + dest + HALF + offs, _round_to(r2, KCache.dtype.element_ty))
+        tl.store(VCache + dest + offs, _round_to(v1, VCache.dtype.element_ty))
+        tl.store(VCache + dest + HALF + offs, _round_to(v2, VCache.dtype.element_ty))
 
 
 def _num_warps(block: int) -> int:
