@@ -25,13 +25,19 @@ and graphs on and off attend over the same lengths. `--json` writes one row per 
 graphs, constrained, batch) with the KV lengths it covered and the attention kernel that ran
 (`sdpa`), and the memory plan of each engine. `--deadline` (Unix time) starts no configuration after it.
 
-`--variants` compares decode attention and precision (docs/ATTENTION.md), one engine each:
-sdpa (SDPA over the batch's gathered cache), triton (the split-K kernel over the slot cache),
-triton+fp8kv (and an FP8 KV cache), triton+fp8kv+fp8w (and FP8 GEMM weights). The memory plan
-of each says how many slots of the largest context fit the device:
+`--variants` compares engine variants, one engine each (VARIANTS): base (the server's defaults),
+fused (engine.fused: engines/fused.py), compiled (engine.compile, where this tree's engine has it),
+fp8kv (an FP8 KV cache), fp8w (FP8 GEMM weights), fused+fp8kv, fused+fp8w (FP8 weights, activations
+quantised inside the fused norms), and the attention kernels by name: sdpa (SDPA over the batch's
+gathered cache), triton (the split-K kernel over the slot cache), triton+fp8kv, triton+fp8kv+fp8w.
+Each row carries the engine's build time (`build_s`: caches, compilation, CUDA graphs). A variant the
+engine cannot build (an option it does not take, or one it refuses here) is listed under `skipped`
+with the reason, and one that fails while measured likewise, marked `failed`; the others still run.
+The memory plan of each says how many slots of the largest context fit the device:
 
     python scripts/bench_engine.py --presets "" --model models/orpheus-3b --device cuda --dtype bf16 \
-        --batches 1,32,128,256 --contexts 256,1024 --variants sdpa,triton,triton+fp8kv,triton+fp8kv+fp8w
+        --batches 1,128,256 --contexts 1024 --contexts-are-kv-tops \
+        --variants base,fused,compiled,fp8kv,fp8w,fused+fp8kv,fused+fp8w --profile-batches 1,256
 
 (triton on a CPU runs in Triton's interpreter only, with TRITON_INTERPRET=1: a smoke test, not a speed.)
 

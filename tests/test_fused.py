@@ -257,3 +257,31 @@ def test_fused_quantize_fp8_of_the_cache_is_the_kernels(tiny_orpheus: Path) -> N
                      torch.arange(tokens), torch.zeros(tokens, 1, dtype=torch.int64), n_heads=1, n_kv_heads=1,
                      k_scale=ones, v_scale=ones)
     assert torch.equal(cache[:, 0, 0].float(), quantize_fp8(v[:, 0], ones).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "fp8"}, {"quantization": "fp8"}],
+                         ids=["bf16", "fp8kv", "fp8w"])
+def test_fused_cuda_graphs_match_the_unfused_engine(tiny_orpheus: Path, options: dict[str, str]) -> None:
+    """On a card, bf16, graphs on: the fused engine's greedy tokens follow the unfused engine's (a prefix: a
+    near-tie far into a run may go either way, see the graphs-vs-eager test of test_decode_attention.py)."""
+    def run(fused: bool) -> list[list[int]]:
+        engine = TorchEngine(tiny_orpheus, num_slots=4, max_seq_len=256, device="cuda", dtype="bf16",
+                             max_batch_size=4, cuda_graphs=True, attention="triton", fused=fused,
+                             **options)  # type: ignore[arg-type]
+        plan = StepPlan()
+        for slot in range(3):
+            prompt = (P.START_OF_HUMAN, P.BOS, 10 + slot, 20, 30, *P.PROMPT_SUFFIX)
+            plan.prefill.append(PrefillChunk(slot, f"s{slot}", prompt, 0, len(prompt),
+                                             SamplingParams(temperature=0.0)))
+        out = engine.step(plan)
+        rows = [list(out.tokens[s]) for s in range(3)]
+        for _ in range(40):
+            out = engine.step(StepPlan(decode=[0, 1, 2]))
+            for s in range(3):
+                rows[s] += out.tokens[s]
+        engine.close()
+        return rows
+
+    fused, plain = run(True), run(False)
+    assert [r[:20] for r in fused] == [r[:20] for r in plain]

@@ -104,7 +104,7 @@ def _rope_cache_write_kernel(QKV, Cos, Sin, QOut, KCache, VCache, Slots, Positio
     c = tl.load(Cos + token * HALF + offs)
     s = tl.load(Sin + token * HALF + offs)
     base = QKV + token * stride_qkv_row
-    D: tl.constexpr = 2 * HALF
+    D = 2 * HALF  # the head dim (constexpr, as HALF is)
     if head < H:
         x1 = tl.load(base + head * D + offs).to(tl.float32)
         x2 = tl.load(base + head * D + HALF + offs).to(tl.float32)
@@ -122,8 +122,8 @@ def _rope_cache_write_kernel(QKV, Cos, Sin, QOut, KCache, VCache, Slots, Positio
         r2 = _round_to(k2 * c + k1 * s, QOut.dtype.element_ty).to(tl.float32)
         v1 = tl.load(v_base + offs).to(tl.float32)
         v2 = tl.load(v_base + HALF + offs).to(tl.float32)
-        slot = tl.load(Slots + token // T)
-        position = tl.load(Positions + token)
+        slot = tl.load(Slots + token // T).to(tl.int64)  # offsets past 2^31 in a large cache
+        position = tl.load(Positions + token).to(tl.int64)
         dest = slot * stride_cs + kv * stride_ch + position * stride_cn
         if SCALED:
             ks = tl.load(KScale + kv)
