@@ -285,3 +285,33 @@ def test_fused_cuda_graphs_match_the_unfused_engine(tiny_orpheus: Path, options:
 
     fused, plain = run(True), run(False)
     assert [r[:20] for r in fused] == [r[:20] for r in plain]
+
+
+def test_fused_graph_sampler_draws_what_the_eager_sampler_draws(tiny_orpheus: Path) -> None:
+    """The draw a fused engine captures in its CUDA graphs (`_sample_in_graph`: every row's work done, no host
+    parameters) gives constrained rows the tokens the eager `_sample` gives them, greedy, top-k, top-p and
+    repetition penalty mixed in one batch, at every frame position."""
+    engine = TorchEngine(tiny_orpheus, num_slots=4, max_seq_len=96, device="cpu", dtype="fp32", cuda_graphs=False)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=50, seed=1),
+              SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=2),
+              SamplingParams(temperature=1.2, seed=3)]
+    plan = StepPlan()
+    for slot, p in enumerate(params):
+        prompt = (P.START_OF_HUMAN, P.BOS, 10 + slot, 20, 30, *P.PROMPT_SUFFIX)
+        plan.prefill.append(PrefillChunk(slot, f"s{slot}", prompt, 0, len(prompt), p))
+    engine.step(plan)
+    compared = 0
+    for _ in range(9):  # past a frame boundary: end_of_speech allowed at phase 0 only
+        sessions = [engine._sessions[s] for s in range(4)]
+        slots = torch.arange(4)
+        positions = torch.tensor([s.cached for s in sessions])  # type: ignore[union-attr]
+        steps = torch.tensor([s.generated for s in sessions])  # type: ignore[union-attr]
+        with torch.inference_mode():
+            hidden = engine.model.decode(engine._last_token[slots], slots, positions, int(positions.max()) + 1)
+            eager = engine._sample(hidden, slots, steps, steps.tolist(), params)
+            captured = engine._sample_in_graph(hidden, slots, steps)
+        assert torch.equal(eager, captured), (eager, captured)
+        compared += 1
+        engine.step(StepPlan(decode=[0, 1, 2, 3]))
+    assert compared == 9
+    engine.close()

@@ -41,7 +41,9 @@ at start-up for padded batch sizes (1, 2, 4, ..., max_batch_size) and power-of-t
 (256 ... max_seq_len). With `attention="triton"` (decode_attention.py: each row reads its own
 slot up to its own length, whatever the batch's longest) one graph per padded batch size serves
 every length. Padding rows write into a scratch slot that no session owns. Prefill
-(variable length) and sampling (a few dozen kernels, no host sync) run eagerly. The graphs'
+(variable length) runs eagerly, and so does sampling (a few dozen kernels, no host sync), except
+with `fused`: then each graph also holds the frame constraint's projection and the draw
+(`_sample_in_graph`), and a step whose rows are all constrained is one replay. The graphs'
 static inputs are created on the engine's stream, after everything queued before the capture.
 
 Batch composition. Sampling is per session: each slot draws with its own seeded generator, keyed
@@ -65,7 +67,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,7 +124,10 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: Transformer, *, batch_sizes: Sequence[int], kv_lens: Sequence[int],
-                 scratch_slot: int, stream: torch.cuda.Stream, lora_pool: LoraPool | None = None) -> None:
+                 scratch_slot: int, stream: torch.cuda.Stream, lora_pool: LoraPool | None = None,
+                 sampler: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> None:
+        """`sampler(hidden, slots, steps)`: when given, captured after the forward pass too (the frame
+        constraint's projection and the draw, engine.fused), so a step of constrained rows is one replay."""
         device = model.output.weight.device
         self.batch_sizes = sorted(batch_sizes)
         self.kv_lens = sorted(kv_lens)
@@ -130,7 +135,8 @@ class DecodeGraphs:
         max_batch = self.batch_sizes[-1]
         # (batch, kv_len, with LoRA): with a pool, each shape is captured twice, so a step without
         # adapters replays a graph without LoRA work (pool mode: the entries buffer selects adapters).
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
+        self.samples = sampler is not None
         pool = torch.cuda.graph_pool_handle()
         # Whatever the caller queued on its stream (weights, caches) comes before the capture, and the
         # static inputs are made on the capture stream itself: a graph never reads a buffer whose
@@ -141,6 +147,7 @@ class DecodeGraphs:
             self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
             self.lora_entries = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            self.steps = torch.zeros(max_batch, dtype=torch.int64, device=device)  # audio positions, for the sampler
             variants = (False, True) if lora_pool is not None else (False,)
             # Largest first: the shared pool is sized by the first capture and reused by the rest.
             for batch in reversed(self.batch_sizes):
@@ -148,18 +155,25 @@ class DecodeGraphs:
                     for with_lora in variants:
                         lora = LoraBatch(lora_pool, entries=self.lora_entries[:batch]) if with_lora and lora_pool else None
                         args = (self.tokens[:batch], self.slots[:batch], self.positions[:batch], kv_len, lora)
+
+                        def forward(args: tuple = args, batch: int = batch) -> tuple[Tensor, Tensor | None]:
+                            hidden = model.decode(*args)  # [batch, dim]
+                            drawn = None if sampler is None else sampler(hidden, self.slots[:batch], self.steps[:batch])
+                            return hidden, drawn
+
                         for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
-                            model.decode(*args)
+                            forward()
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                            hidden = model.decode(*args)  # [batch, dim]
-                        self.graphs[(batch, kv_len, with_lora)] = (graph, hidden)
+                            hidden, drawn = forward()
+                        self.graphs[(batch, kv_len, with_lora)] = (graph, hidden, drawn)
         stream.synchronize()
 
     def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
-            lora_entries: Tensor | None = None) -> Tensor:
+            lora_entries: Tensor | None = None, steps: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Same contract as Transformer.decode, `lora_entries` [n] the rows' pool entries (None: no
-        row has an adapter); the result is a view valid until the next run."""
+        row has an adapter). Returns (hidden states [n, dim], and with a sampler and `steps` [n], the rows'
+        audio positions, the tokens drawn inside the graph [n], else None): views valid until the next run."""
         n = tokens.shape[0]
         batch = next(b for b in self.batch_sizes if b >= n)
         bucket = next(k for k in self.kv_lens if k >= kv_len)
@@ -173,9 +187,12 @@ class DecodeGraphs:
         if lora_entries is not None:
             self.lora_entries[:n].copy_(lora_entries)
             self.lora_entries[n:batch].zero_()
-        graph, hidden = self.graphs[(batch, bucket, lora_entries is not None)]
+        if steps is not None and self.samples:
+            self.steps[:n].copy_(steps)
+            self.steps[n:batch].zero_()
+        graph, hidden, drawn = self.graphs[(batch, bucket, lora_entries is not None)]
         graph.replay()
-        return hidden[:n]
+        return hidden[:n], None if drawn is None or steps is None else drawn[:n]
 
 
 def _attention_kernel(name: str, device: torch.device) -> str:
@@ -264,8 +281,9 @@ class TorchEngine:
                                     kv_dtype=self.kv_dtype, attention=self.attention)
             # On a CPU, sorting 4097 candidates per row costs more than the rest of sampling: filter
             # among the 64 most likely first (exact; rows whose top-p set is wider get the sort).
-            self._sampling = SlotSamplingState(num_slots, self.config.vocab_size, self.device,
-                                               fast_width=None if self.device.type == "cuda" else 64)
+            # With graphs, the scratch slot's row too: padding rows are sampled inside a fused engine's graphs.
+            self._sampling = SlotSamplingState(num_slots + 1 if use_graphs else num_slots, self.config.vocab_size,
+                                               self.device, fast_width=None if self.device.type == "cuda" else 64)
             self._last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
             # Custom voices (ARCHITECTURE §6): None when no adapters folder is configured.
             self.lora: LoraManager | None = LoraManager(
@@ -276,6 +294,7 @@ class TorchEngine:
         self._unpinned: list[str] = []
         self._seed_source = random.Random(seed)
         self._closed = False
+        self._fused = fused
         self._graphs: DecodeGraphs | None = None
         cfg = self.config
         self.sdpa_backend = serving_backend(sdpa, device=self.device, dtype=self.dtype, kv_heads=cfg.n_kv_heads,
@@ -309,7 +328,8 @@ class TorchEngine:
                 kv_lens=[self.max_seq_len] if self.attention == "triton"
                 else padded_sizes(self.max_seq_len, GRAPH_KV_BUCKET),
                 scratch_slot=self.num_slots, stream=self._stream,
-                lora_pool=self.lora.pool if self.lora is not None else None)
+                lora_pool=self.lora.pool if self.lora is not None else None,
+                sampler=self._sample_in_graph if self._fused else None)
         logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
 
     @classmethod
@@ -525,6 +545,13 @@ class TorchEngine:
             return self._sampling.sample_constrained(logits, slots, steps, params, record=False)
         return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params, record=False)
 
+    def _sample_in_graph(self, hidden: Tensor, slots: Tensor, steps: Tensor) -> Tensor:
+        """The constrained draw with every row's work done (no host parameters, no host sync): capturable,
+        and the same tokens as `_sample` gives constrained rows (sampling.sample_candidates: the work
+        `_sample` may skip is a no-op for the rows it skips it for)."""
+        logits = constrained_logits(hidden, self.model.output.weight, steps)  # [B, 4097]
+        return self._sampling.sample_constrained(logits, slots, steps, None, record=False)
+
     def _decodable(self, slots: Sequence[int], out: StepOutput) -> list[int]:
         rows: list[int] = []
         listed: set[int] = set()
@@ -554,16 +581,20 @@ class TorchEngine:
         kv_len = int(host[1].max()) + 1
         tokens = self._last_token[slots]
         lora = self._lora_batch([s.lora_entry for s in sessions], gather=self._graphs is None)  # type: ignore[union-attr]
+        params = [s.sampling for s in sessions]  # type: ignore[union-attr]
+        constrained = [p.constrained for p in params]
+        drawn: Tensor | None = None
         if self._graphs is not None:
-            hidden = self._graphs.run(tokens, slots, positions, kv_len, None if lora is None else lora.entries)
+            hidden, drawn = self._graphs.run(tokens, slots, positions, kv_len, None if lora is None else lora.entries,
+                                             steps=steps if all(constrained) else None)
         else:
             args = (tokens, slots, positions, kv_len) if lora is None else (tokens, slots, positions, kv_len, lora)
             hidden = self.model.decode(*args)  # [B, dim]
 
-        params = [s.sampling for s in sessions]  # type: ignore[union-attr]
         host_steps = host[2].tolist()
-        constrained = [p.constrained for p in params]
-        if all(constrained) or not any(constrained):
+        if drawn is not None:  # sampled inside the graph
+            new = drawn.clone()  # the graph's output buffer is overwritten by the next replay
+        elif all(constrained) or not any(constrained):
             new = self._sample(hidden, slots, steps, host_steps, params)
         else:
             new = torch.empty_like(slots)
