@@ -137,7 +137,7 @@ DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts
              serve_warmup_concurrency=1, serve_levels=[1, 2], serve_requests_per_stream=1, serve_ramp_s=0.2,
              serve_max_tokens=28, serve_max_seq_len=256, memory_plan_seq_lens=[256], lora_batch=2,
              lora_counts=[0, 1, 2], lora_steps=2, lora_rounds=1, lora_reserve_s=20.0, variant_batches=[1, 2],
-             variant_context=256, profile_batches=[1, 2], gemm_batches=[1, 2], gemm_min_s=5.0)
+             variant_context=64, profile_batches=[1, 2], gemm_batches=[1, 2], gemm_min_s=5.0)
 
 
 # ----------------------------------------------------------------- one stage's run
