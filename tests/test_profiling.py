@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from orpheus_serve.engines.profiling import Interval, profile_steps, summarize, union_us
+from orpheus_serve.engines.profiling import ArmedStepProfiler, Interval, profile_steps, summarize, union_us
 
 
 def test_busy_time_counts_overlapping_kernels_once() -> None:
@@ -41,4 +43,28 @@ def test_a_real_cpu_trace_counts_the_operators_of_each_step_and_the_host_gap() -
     assert p["kernels_per_step"] >= 2  # at least the product and the relu, as leaf operators
     names = {k["name"] for k in p["top_kernels"]}
     assert "aten::mm" in names and "aten::relu_" in names
-    assert p["step_ms"] >= 10 and p["idle_share"] > 0.5
+    idle_ms = p["idle_share"] * p["step_ms"]
+    assert p["step_ms"] >= 10 and 9 <= idle_ms < p["step_ms"]  # the sleep is idle, the operators are not
+
+
+def test_an_armed_profiler_waits_for_the_batch_then_profiles_the_steps_asked(tmp_path: Path) -> None:
+    profiler = ArmedStepProfiler(tmp_path / "profile", "cpu")
+    a = torch.randn(32, 32)
+
+    def loop(rows: list[int]) -> None:
+        for n in rows:
+            with profiler.around_step(n):
+                for _ in range(n):
+                    torch.mm(a, a)
+
+    loop([3, 3])
+    assert not profiler.result_path.exists()  # nothing asked: nothing recorded
+    profiler.arm_path.write_text("4 3")
+    loop([1, 2, 2])  # below 3 decode rows: still waiting
+    assert profiler.arm_path.exists() and not profiler.result_path.exists()
+    loop([3, 5, 1, 4, 7, 7])  # the 4 steps from the first with 3 rows: 3, 5, 1, 4
+    assert not profiler.arm_path.exists()
+    p = json.loads(profiler.result_path.read_text())
+    assert p["steps"] == 4 and p["decode_rows_mean"] == pytest.approx(13 / 4, abs=0.06) and p["activity"] == "cpu"
+    assert p["kernels_per_step"] == pytest.approx(13 / 4, abs=0.06)  # one aten::mm per decode row, as counted
+    assert p["top_kernels"][0]["name"] == "aten::mm"

@@ -108,6 +108,7 @@ class Shapes:
     serve_ramp_s: float  # a level's first requests arrive spread evenly over this
     serve_max_tokens: int
     serve_max_seq_len: int
+    serve_profile_steps: int = 50  # engine-core steps profiled in one more round at the highest serve level
     memory_plan_seq_lens: list[int] = field(default_factory=lambda: [1024, 4096])
     constrained: str = "on"  # the frame-position constraint in the main engine bench: on, off or on,off
     # Engine sub-step: adapters in one batch (bench_lora.py), graphs on.
@@ -135,7 +136,7 @@ REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256
 DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts=[256, 512], steps=2, rounds=1,
              warmup=1, codec_batches=[1, 2], codec_passes=2, overlap_batch=2, overlap_steps=4,
              serve_warmup_concurrency=1, serve_levels=[1, 2], serve_requests_per_stream=1, serve_ramp_s=0.2,
-             serve_max_tokens=28, serve_max_seq_len=256, memory_plan_seq_lens=[256], lora_batch=2,
+             serve_max_tokens=28, serve_max_seq_len=256, serve_profile_steps=10, memory_plan_seq_lens=[256], lora_batch=2,
              lora_counts=[0, 1, 2], lora_steps=2, lora_rounds=1, lora_reserve_s=20.0, variant_batches=[1, 2],
              variant_context=64, profile_batches=[1, 2], gemm_batches=[1, 2], gemm_min_s=5.0,
              # The named rows; the fused combinations are left to the card (Triton's interpreter is slow).
@@ -882,7 +883,8 @@ def stage_serve(run: StageRun) -> None:
 
     shapes = run.shapes
     llama, snac_dir = ensure_models(run)
-    overrides = serve_overrides(shapes, llama, snac_dir)
+    profile_dir = run.work / "serve-profile"
+    overrides = [*serve_overrides(shapes, llama, snac_dir), f"engine.profile_dir={profile_dir}"]
     expected = expected_audio_s(shapes.serve_max_tokens)
     frame_s = expected / max(1, shapes.serve_max_tokens // 7)
     rows: list[dict[str, Any]] = []
@@ -951,6 +953,10 @@ def stage_serve(run: StageRun) -> None:
                   f"underruns {row['underrun_events']}, GPU {usage.get('util_mean_pct')}%", flush=True)
             render()
             run.save()
+        if rows:
+            run.data["profile"] = serve_profile(run, target, spec(rows[-1]["concurrency"], seed=77), profile_dir,
+                                                rows[-1], level_estimate_s(rows[-1]["concurrency"]))
+            run.save()
         stats = target.stats()
         run.data["server_stats_end"] = {k: stats.get(k) for k in ("process", "memory", "engine", "codec") if k in stats}
     if not rows:
@@ -960,6 +966,30 @@ def stage_serve(run: StageRun) -> None:
         run.problem(f"requests failed at concurrency {failed}")
     render()
     run.data["complete"] = len(rows) == len(shapes.serve_levels)
+
+
+def serve_profile(run: StageRun, target: Any, load: Any, folder: Path, top: dict[str, Any],
+                  estimate_s: float) -> dict[str, Any]:
+    """One more round at the serve stage's highest level, `serve_profile_steps` of its engine-core steps
+    profiled inside the server (engine.profile_dir, engines/profiling.ArmedStepProfiler): from the first step
+    with at least 3/4 of that level's peak of admitted streams. serve.json's `profile`, shaped as engine.json's."""
+    from orpheus_serve.benchmarking.runner import measure
+
+    name = "profile of the engine core's steps"
+    if run.left() < estimate_s + 20:
+        return _substep_skipped(run, name, f"{run.left():.0f} s left, {estimate_s + 20:.0f} s needed")
+    result, arm = folder / "profile.json", folder / "arm"
+    result.unlink(missing_ok=True)
+    min_rows = max(1, int(0.75 * (top.get("admitted_peak") or 1)))
+    arm.write_text(f"{run.shapes.serve_profile_steps} {min_rows}")
+    measure(target, load)
+    arm.unlink(missing_ok=True)  # not taken (too few rows ever): no later profile
+    if not result.exists():
+        return _substep_failed(run, name, f"the engine core ran fewer than {run.shapes.serve_profile_steps} steps "
+                                          f"with {min_rows} or more decode rows")
+    summary = json.loads(result.read_text())
+    return {"status": "measured", "variant": "serve", "concurrency": load.concurrency,
+            "batches": [{"batch": summary["decode_rows_mean"], **summary}]}
 
 
 STAGE_FUNCS: dict[str, Callable[[StageRun], None]] = {

@@ -19,8 +19,11 @@ not (a clock skew, work left running) is counted in `unassigned_kernels`, not in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ import torch
 STEP_LABEL = "orpheus_step"
 TOP_KERNELS = 12
 NAME_CHARS = 160  # templated CUDA kernel names run to kilobytes; the head names them
+DEFAULT_ARMED_STEPS = 50  # ArmedStepProfiler: steps profiled when the arm file names no count
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +160,77 @@ def profile_steps(step: Callable[[], object], *, steps: int, device: torch.devic
                 step()
     kernels, ranges = _intervals(prof.events(), activity)
     return summarize(kernels, ranges, activity=activity, top=top)
+
+
+class ArmedStepProfiler:
+    """The engine core's profile on request (`engine.profile_dir`): a tool (the GPU kit's serve stage) writes
+    "STEPS [MIN_ROWS]" into `DIR/arm`; from the first step with at least MIN_ROWS decode rows (default 1) the
+    engine-core loop profiles STEPS loop iterations (plan, launch, read-back: with overlap, the device work
+    of one step runs during the next iteration), then writes `DIR/profile.json` (StepProfile.as_dict plus
+    the mean decode rows per step) with an atomic rename and deletes the request. Used by one thread only
+    (the engine-core loop). Checking for the file costs one stat call per step."""
+
+    def __init__(self, folder: str | Path, device: torch.device | str) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device)
+        self._profiler: Any = None
+        self._left = 0
+        self._rows: list[int] = []
+
+    @property
+    def arm_path(self) -> Path:
+        return self.folder / "arm"
+
+    @property
+    def result_path(self) -> Path:
+        return self.folder / "profile.json"
+
+    @contextmanager
+    def around_step(self, decode_rows: int) -> Iterator[None]:
+        """Wrap one loop iteration carrying `decode_rows` decode rows."""
+        if self._profiler is None and self.arm_path.exists():
+            steps, min_rows = _request(self.arm_path.read_text())
+            if decode_rows >= min_rows:
+                self._start(steps)
+        if self._profiler is None:
+            yield
+            return
+        from torch.profiler import record_function
+
+        with record_function(STEP_LABEL):
+            yield
+        self._rows.append(decode_rows)
+        self._left -= 1
+        if self._left <= 0:
+            self._finish()
+
+    def _start(self, steps: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.arm_path.unlink(missing_ok=True)
+        self._left = steps
+        self._rows = []
+        cuda = self.device.type == "cuda"
+        self._profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self._profiler.start()
+
+    def _finish(self) -> None:
+        prof, self._profiler = self._profiler, None
+        prof.stop()
+        activity = "cuda" if self.device.type == "cuda" else "cpu"
+        kernels, ranges = _intervals(prof.events(), activity)
+        summary = summarize(kernels, ranges, activity=activity).as_dict()
+        summary["decode_rows_mean"] = round(sum(self._rows) / max(1, len(self._rows)), 1)
+        scratch = self.result_path.with_name("profile.json.tmp")
+        scratch.write_text(json.dumps(summary, indent=2))
+        scratch.replace(self.result_path)
+
+
+def _request(text: str) -> tuple[int, int]:
+    """"STEPS [MIN_ROWS]" -> (steps, min_rows); what is missing or not a positive number takes its default."""
+    words = text.split()
+    numbers = [int(w) if w.isdigit() and int(w) > 0 else 0 for w in words[:2]]
+    steps = numbers[0] if numbers and numbers[0] else DEFAULT_ARMED_STEPS
+    min_rows = numbers[1] if len(numbers) > 1 and numbers[1] else 1
+    return steps, min_rows
