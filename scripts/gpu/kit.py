@@ -32,7 +32,9 @@ Stages (ARCHITECTURE §8; sized for one call of at most ten minutes on one H100,
           arrivals spread over a ramp and fixed-length utterances (the model is random, so
           --max-tokens sets the length; each stream's length is checked). Real-time streams held at
           p95 TTFB under 150 ms and under 300 ms, server CPU per audio second (API and engine-core
-          processes), GPU utilisation sampled during the levels only.
+          processes), GPU utilisation sampled during the levels only. Then one more round at the
+          highest level with the engine core profiling 50 of its steps (engine.profile_dir):
+          serve.json's `profile`, shaped as engine.json's.
 
 Every stage rewrites its STAGE.json (numbers, a Markdown table, `ok`, `complete`, `problems`) with
 an atomic rename after every piece it measures, and stops starting new pieces as its deadline nears:
