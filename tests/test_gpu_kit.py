@@ -397,6 +397,10 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
 
     serve = datas["serve"]
     assert "server.engine_process=true" in serve["overrides"] and serve["warmup"]["succeeded"] > 0
+    # The engine core (its own process) profiled its steps in one more round at the highest level.
+    profile = serve["profile"]
+    assert profile["status"] == "measured" and profile["concurrency"] == 2
+    assert profile["batches"][0]["steps"] == kit.DRY.serve_profile_steps and profile["batches"][0]["kernels_per_step"] > 0
     assert [r["concurrency"] for r in serve["rows"]] == [1, 2]
     for row in serve["rows"]:
         assert row["succeeded"] == row["requests"] and row["errors"] == 0 and row["short_streams"] == 0
@@ -411,6 +415,7 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert refused.returncode != 0 and "dry run" in refused.stderr
     subprocess.run([*report, "--allow-dry-run"], check=True, capture_output=True)
     assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
+    assert "Profile of the serve stage's steps" in doc.read_text()
     assert "LoRA adapters in a batch of 2" in doc.read_text() and "| fp8w | " in doc.read_text()
 
 
