@@ -561,10 +561,7 @@ def render_engine(run: StageRun) -> None:
     shapes = run.shapes
     plans = data["slots_that_fit"]
     batches = [str(b) for b in shapes.variant_batches]
-    run.table = (f"Decode step per variant (engine.json `variants`), KV lengths up to {shapes.variant_context:,}, "
-                 f"CUDA graphs on, constrained; build s: the engine's start (caches, compilation, graphs); "
-                 f"lora rows: a batch of {shapes.lora_batch}:\n\n")
-    run.table += markdown_table(
+    run.table = markdown_table(
         ["variant", "KV lengths", *(f"batch {b} ms" for b in batches), *(f"batch {b} tok/s" for b in batches),
          "build s", "slots that fit"],
         [[v["variant"], v.get("kv_lens", "-"), *(v["step_ms"].get(b, "-") for b in batches),
@@ -572,6 +569,9 @@ def render_engine(run: StageRun) -> None:
          if v["status"] == "measured" else [v["variant"], f"**{v['status'].upper()}**: {v['reason']}",
                                             *(["-"] * (2 * len(batches) + 2))]
          for v in data.get("variants", []) if not v["variant"].startswith("lora")])
+    run.table += (f"\n\nDecode step per variant (engine.json `variants`), KV lengths up to {shapes.variant_context:,}, "
+                  f"CUDA graphs on where the device has them, constrained; build s: the engine's start (caches, "
+                  f"compilation, graphs); the lora rows (a batch of {shapes.lora_batch}) follow.")
     run.table += f"\n\nAttention (SDPA) kernel: {', '.join(data['sdpa']) or '-'}."
     run.table += "\n\nMemory plan (engine planner, 90% of the free memory measured with nothing loaded):\n\n"
     run.table += markdown_table(
