@@ -27,6 +27,11 @@ to its own length (position + 1), with no gather, mask or dependence on `kv_len`
 Prefill keeps SDPA. `kv_dtype=float8_e4m3fn` stores the cache in FP8 with one
 static scale per layer and KV head, calibrated on a short prompt when the cache is set
 up (fp8.py; ARCHITECTURE §6).
+
+`use_fused_kernels()` (`engine.fused`) runs each layer through fused.py's Triton kernels instead:
+the residual adds inside the norms that follow them (`TransformerBlock.forward_fused`), SiLU x up
+in one kernel, rotary and the cache write in one; with FP8 weights the norms hand the GEMMs
+their input already quantised.
 """
 
 from __future__ import annotations
