@@ -30,6 +30,8 @@ from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingPara
 from orpheus_serve.weights.tiny import write_lora_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# The kernels on CPU tensors, in Triton's interpreter; a CUDA machine runs the gpu tests at the end instead.
+ON_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels in the CPU interpreter")
 
 KERNEL_FP32_TOLERANCE = 1e-5  # relative: fp32 rounding of a reordered sum of squares / an fma
 MODEL_TOLERANCE = 1e-4  # absolute, on fp32 logits (the same bound test_llama.py holds against transformers)
@@ -40,6 +42,7 @@ def rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Te
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@ON_CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_fused_add_rms_norm_matches_add_then_rmsnorm(dtype: torch.dtype, with_delta: bool) -> None:
@@ -57,6 +60,7 @@ def test_fused_add_rms_norm_matches_add_then_rmsnorm(dtype: torch.dtype, with_de
     torch.testing.assert_close(out.float(), expected.float(), rtol=2 * rel, atol=rel * 1e-3)
 
 
+@ON_CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_quantises_its_output_to_e4m3_per_row(dtype: torch.dtype) -> None:
     n = 160
@@ -73,6 +77,7 @@ def test_fused_norm_quantises_its_output_to_e4m3_per_row(dtype: torch.dtype) -> 
     assert torch.equal(values.float(), ref_values.float())  # round to nearest even on the e4m3 grid, exactly
 
 
+@ON_CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_matches_silu_times_up(dtype: torch.dtype) -> None:
     gate_up = rand(3, 2, 2 * 80, seed=7, dtype=dtype) * 4
@@ -87,6 +92,7 @@ def test_fused_silu_mul_matches_silu_times_up(dtype: torch.dtype) -> None:
     assert torch.equal(quantized[0].float(), quantize_rows(out.reshape(6, 80))[0].float())
 
 
+@ON_CPU
 @pytest.mark.parametrize("kv_dtype", [torch.float32, FP8_DTYPE])
 def test_fused_rope_and_cache_write_match_rotary_then_write(kv_dtype: torch.dtype) -> None:
     B, T, H, Hkv, D, slots_n, S = 3, 2, 4, 2, 16, 5, 12
@@ -142,6 +148,7 @@ def model_logits(folder: Path, *, fused: bool, attention: str, fp8: bool = False
     return out
 
 
+@ON_CPU
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 def test_fused_model_logits_match_the_unfused_model(tiny_orpheus: Path, attention: str) -> None:
     plain = model_logits(tiny_orpheus, fused=False, attention=attention)
@@ -151,6 +158,7 @@ def test_fused_model_logits_match_the_unfused_model(tiny_orpheus: Path, attentio
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@ON_CPU
 def test_fused_fp8_quantises_inside_the_norm_and_matches_the_unfused_fp8_model(tiny_orpheus: Path) -> None:
     plain = model_logits(tiny_orpheus, fused=False, attention="sdpa", fp8=True)
     fused = model_logits(tiny_orpheus, fused=True, attention="sdpa", fp8=True)
@@ -197,12 +205,14 @@ def greedy_engine_tokens(folder: Path, *, sessions: int = 3, steps: int = 10, **
     return tokens
 
 
+@ON_CPU
 @pytest.mark.parametrize("options", [{"attention": "triton"}, {"attention": "triton", "kv_cache_dtype": "fp8"}],
                          ids=["triton", "fp8kv"])
 def test_fused_engine_greedy_tokens_equal_the_unfused_engine(tiny_orpheus: Path, options: dict[str, str]) -> None:
     assert greedy_engine_tokens(tiny_orpheus, fused=True, **options) == greedy_engine_tokens(tiny_orpheus, **options)
 
 
+@ON_CPU
 def test_fused_engine_with_lora_applies_each_adapter_to_its_slice(tiny_orpheus: Path, tmp_path: Path) -> None:
     """LoRA on q, k, v and gate, up adds to the concatenated GEMMs' outputs: the fused engine gives each
     session the tokens the unfused engine gives it, adapters and all."""
@@ -239,7 +249,8 @@ def test_fused_on_cpu_without_the_interpreter_is_refused(tiny_orpheus: Path, mon
         TorchEngine(tiny_orpheus, num_slots=1, max_seq_len=32, device="cpu", fused=True)
 
 
-def test_fused_quantize_fp8_of_the_cache_is_the_kernels(tiny_orpheus: Path) -> None:
+@ON_CPU
+def test_fused_quantize_fp8_of_the_cache_is_the_kernels() -> None:
     """The FP8 cache's quantisation (fp8.quantize_fp8) and the kernel's e4m3 rounding agree on values at
     and around every e4m3 rounding boundary of a binade, ties included."""
     grid = torch.arange(0, 16, dtype=torch.float32)
