@@ -4,7 +4,8 @@
     python scripts/attention_numerics.py                        # 100m random Llama, tiny SNAC, 280 tokens
     python scripts/attention_numerics.py --preset tiny --tokens 140 --device cuda --attention triton
 
-For each variant (the model dtype, KV cache dtype and weight quantisation of `VARIANTS`) one
+For each variant (the model dtype, KV cache dtype, weight quantisation and fused kernels of `VARIANTS`;
+fused ones on a CPU only under TRITON_INTERPRET=1) one
 model with a one-slot cache runs the same Orpheus-layout prompt, then:
 
 - teacher-forced top-1 agreement: fed the bf16 run's own greedy tokens, the fraction of
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,22 +42,25 @@ from orpheus_serve.codec.loader import decode_offline, load_snac  # noqa: E402
 from orpheus_serve.config import resolve_device  # noqa: E402
 from orpheus_serve.engines.llama import Transformer, kv_torch_dtype, load_transformer, torch_dtype  # noqa: E402
 
-# name: (model dtype, KV cache dtype, weight quantisation)
-VARIANTS: dict[str, tuple[str, str, str]] = {
-    "bf16": ("bf16", "bf16", "none"),
-    "fp32": ("fp32", "fp32", "none"),
-    "bf16 + fp8 KV": ("bf16", "fp8", "none"),
-    "bf16 + fp8 weights": ("bf16", "bf16", "fp8"),
-    "bf16 + fp8 KV + fp8 weights": ("bf16", "fp8", "fp8"),
+# name: (model dtype, KV cache dtype, weight quantisation, fused kernels)
+VARIANTS: dict[str, tuple[str, str, str, bool]] = {
+    "bf16": ("bf16", "bf16", "none", False),
+    "fp32": ("fp32", "fp32", "none", False),
+    "bf16 + fp8 KV": ("bf16", "fp8", "none", False),
+    "bf16 + fp8 weights": ("bf16", "bf16", "fp8", False),
+    "bf16 + fp8 KV + fp8 weights": ("bf16", "fp8", "fp8", False),
+    "bf16 fused": ("bf16", "bf16", "none", True),
+    "bf16 fused + fp8 weights": ("bf16", "bf16", "fp8", True),
 }
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
 
 
 def build(folder: Path, variant: str, *, device: str, attention: str, max_seq_len: int) -> Transformer:
-    dtype, kv_dtype, quantization = VARIANTS[variant]
+    dtype, kv_dtype, quantization, fused = VARIANTS[variant]
     model = load_transformer(folder, dtype=torch_dtype(dtype), device=device)
     if quantization == "fp8":
         model.quantize_weights_fp8()
+    model.use_fused_kernels(fused)
     model.setup_caches(1, max_seq_len, kv_dtype=kv_torch_dtype(kv_dtype), attention=attention)
     return model
 
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for variant in VARIANTS:
         if variant == "bf16":
+            continue
+        if VARIANTS[variant][3] and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            print(f"{variant:<30} skipped: fused kernels on a CPU run under TRITON_INTERPRET=1 only", flush=True)
             continue
         model = build(folder, variant, device=device, attention=args.attention, max_seq_len=max_seq_len)
         forced = run(model, prompt, args.tokens, reference)

@@ -25,15 +25,27 @@ and graphs on and off attend over the same lengths. `--json` writes one row per 
 graphs, constrained, batch) with the KV lengths it covered and the attention kernel that ran
 (`sdpa`), and the memory plan of each engine. `--deadline` (Unix time) starts no configuration after it.
 
-`--variants` compares decode attention and precision (docs/ATTENTION.md), one engine each:
-sdpa (SDPA over the batch's gathered cache), triton (the split-K kernel over the slot cache),
-triton+fp8kv (and an FP8 KV cache), triton+fp8kv+fp8w (and FP8 GEMM weights). The memory plan
-of each says how many slots of the largest context fit the device:
+`--variants` compares engine variants, one engine each (VARIANTS): base (the server's defaults),
+fused (engine.fused: engines/fused.py), compiled (engine.compile, where this tree's engine has it),
+fp8kv (an FP8 KV cache), fp8w (FP8 GEMM weights), fused+fp8kv, fused+fp8w (FP8 weights, activations
+quantised inside the fused norms), and the attention kernels by name: sdpa (SDPA over the batch's
+gathered cache), triton (the split-K kernel over the slot cache), triton+fp8kv, triton+fp8kv+fp8w.
+Each row carries the engine's build time (`build_s`: caches, compilation, CUDA graphs). A variant the
+engine cannot build (an option it does not take, or one it refuses here) is listed under `skipped`
+with the reason, and one that fails while measured likewise, marked `failed`; the others still run.
+The memory plan of each says how many slots of the largest context fit the device:
 
     python scripts/bench_engine.py --presets "" --model models/orpheus-3b --device cuda --dtype bf16 \
-        --batches 1,32,128,256 --contexts 256,1024 --variants sdpa,triton,triton+fp8kv,triton+fp8kv+fp8w
+        --batches 1,128,256 --contexts 1024 --contexts-are-kv-tops \
+        --variants base,fused,compiled,fp8kv,fp8w,fused+fp8kv,fused+fp8w --profile-batches 1,256
 
 (triton on a CPU runs in Triton's interpreter only, with TRITON_INTERPRET=1: a smoke test, not a speed.)
+
+`--profile-batches 1,256` then records, on each configuration's engine, a torch.profiler trace of
+`--profile-steps` decode steps (CUDA graphs replayed, as served) at each of those batch sizes, and
+`--json` holds its summary per (variant, context, graphs, batch) under `profiles`: kernels per step,
+the top kernels by share of GPU time, the GPU's idle share inside a step (engines/profiling.py; CPU
+activity on a CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,17 +68,37 @@ from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer, torch_dtype  # noqa: E402
 from orpheus_serve.engines.memory import available_bytes, plan_memory  # noqa: E402
+from orpheus_serve.engines.profiling import profile_steps  # noqa: E402
 from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
-from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
+from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 
 PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
-# TorchEngine options of each --variants name.
-VARIANTS: dict[str, dict[str, str]] = {
+# TorchEngine options of each --variants name. The kit's rows (scripts/gpu/kit.py): base (the server's defaults:
+# attention auto), fused (engine.fused), compiled (engine.compile), fp8kv (FP8 KV cache), fp8w (FP8 GEMM
+# weights), fused+fp8kv (with the fused decode attention's FP8 blocks) and fused+fp8w (FP8 weights with the
+# activations quantised inside the fused norms).
+VARIANTS: dict[str, dict[str, str | bool]] = {
+    "base": {},
+    "fused": {"fused": True},
+    "compiled": {"compile": True},
+    "fp8kv": {"kv_cache_dtype": "fp8"},
+    "fp8w": {"quantization": "fp8"},
+    "fused+fp8kv": {"fused": True, "kv_cache_dtype": "fp8"},
+    "fused+fp8w": {"fused": True, "quantization": "fp8"},
     "sdpa": {"attention": "sdpa"},
     "triton": {"attention": "triton"},
     "triton+fp8kv": {"attention": "triton", "kv_cache_dtype": "fp8"},
     "triton+fp8kv+fp8w": {"attention": "triton", "kv_cache_dtype": "fp8", "quantization": "fp8"},
 }
+
+
+def variant_unavailable(variant: str) -> str | None:
+    """Why this tree's TorchEngine cannot build `variant` (an option it does not take), or None."""
+    import inspect
+
+    accepted = inspect.signature(TorchEngine.__init__).parameters
+    missing = [k for k in VARIANTS[variant] if k not in accepted]
+    return f"TorchEngine takes no {', '.join(missing)} option in this tree" if missing else None
 
 
 def ensure_model(models_dir: Path, preset: str) -> Path:
@@ -101,7 +134,7 @@ def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtyp
     from orpheus_serve.engines.llama import kv_torch_dtype
 
     options = VARIANTS[variant]
-    kv_dtype = options.get("kv_cache_dtype")
+    kv_dtype = str(options["kv_cache_dtype"]) if "kv_cache_dtype" in options else None
     budget = available_bytes(torch.device(device))
     free = budget
     if budget is not None and resident is not None:
@@ -110,7 +143,7 @@ def memory_plan(folder: Path, *, slots: int, max_seq_len: int, device: str, dtyp
                        dtype=torch_dtype(dtype), max_batch_size=slots,
                        budget_bytes=None if budget is None else int(budget * memory_fraction),
                        kv_dtype=kv_torch_dtype(kv_dtype) if kv_dtype else None,
-                       quantization=options.get("quantization", "none"))
+                       quantization=str(options.get("quantization", "none")))
     return {"slots": slots, "max_seq_len": max_seq_len, "weights_gib": round(plan.weights_bytes / 2**30, 3),
             "kv_mib_per_slot": round(plan.kv_bytes_per_slot / 2**20, 2),
             "workspace_gib": round(plan.workspace_bytes / 2**30, 3),
@@ -126,25 +159,37 @@ def steps_per_mode(batches: list[int], *, steps: int, rounds: int, warmup: int) 
 
 def bench_model(folder: Path, *, batches: list[int], steps: int, rounds: int, warmup: int, device: str,
                 dtype: str, prompt_len: int, graphs: bool = True, constrained_modes: tuple[bool, ...] = (True,),
-                max_seq_len: int | None = None, model: Transformer | None = None, variant: str = "sdpa"
-                ) -> tuple[dict[bool, dict[int, float]], str]:
-    """Median seconds per decode step, per constrained mode and batch size (one engine for all), and the
-    attention kernel that served them. `model`: weights loaded once and shared by the engines (not with
+                max_seq_len: int | None = None, model: Transformer | None = None, variant: str = "sdpa",
+                profile_batches: tuple[int, ...] = (), profile_step_count: int = 5,
+                ) -> tuple[dict[bool, dict[int, float]], str, list[dict[str, object]], float]:
+    """Median seconds per decode step, per constrained mode and batch size (one engine for all), the
+    attention kernel that served them, a profile of the engine's decode step at each of
+    `profile_batches` (the last constrained mode's sessions), and the seconds the engine took to build
+    (caches, compilation, CUDA graphs). `model`: weights loaded once and shared by the engines (not with
     FP8 weights, which quantise their own copy)."""
     max_batch = max(batches)
     if max_seq_len is None:
         max_seq_len = prompt_len + 1 + steps_per_mode(batches, steps=steps, rounds=rounds, warmup=warmup) + 8
+    options = VARIANTS[variant]
+    started = time.perf_counter()
     engine = TorchEngine(folder, num_slots=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
                          max_batch_size=max_batch, cuda_graphs=graphs,
-                         model=None if VARIANTS[variant].get("quantization") == "fp8" else model, **VARIANTS[variant])
+                         model=None if options.get("quantization") == "fp8" else model, **options)  # type: ignore[arg-type]
+    build_s = time.perf_counter() - started
     results: dict[bool, dict[int, float]] = {}
+    profiles: list[dict[str, object]] = []
     try:
         for constrained in constrained_modes:
             results[constrained] = _bench_sessions(engine, batches=batches, steps=steps, rounds=rounds,
                                                    warmup=warmup, prompt_len=prompt_len, constrained=constrained)
+        for batch in profile_batches:
+            plan = StepPlan(decode=list(range(batch)))
+            engine.step(plan)  # warm: the profile is of a serving step, not of a first one
+            summary = profile_steps(lambda plan=plan: engine.step(plan), steps=profile_step_count, device=device)
+            profiles.append({"batch": batch, **summary.as_dict()})
     finally:
         engine.close()
-    return results, engine.sdpa_backend
+    return results, engine.sdpa_backend, profiles, build_s
 
 
 def _bench_sessions(engine: TorchEngine, *, batches: list[int], steps: int, rounds: int, warmup: int,
@@ -189,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="frame-position constraint: on, off or on,off (default on)")
     ap.add_argument("--variants", type=_variants, default=["sdpa"],
                     help=f"decode attention / precision variants to compare: {', '.join(VARIANTS)} (default sdpa)")
+    ap.add_argument("--profile-batches", default="",
+                    help="profile the decode step at these batch sizes (each at most max(--batches)), e.g. 1,256")
+    ap.add_argument("--profile-steps", type=int, default=5, help="decode steps per profile")
     ap.add_argument("--json", default=None, help="also write the rows and memory plans to this JSON file")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
@@ -203,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = sorted({int(b) for b in args.batches.split(",") if b})
     if 1 not in batches:
         batches.insert(0, 1)
+    profile_batches = tuple(int(b) for b in args.profile_batches.split(",") if b)
+    if any(b > max(batches) for b in profile_batches):
+        ap.error(f"--profile-batches {args.profile_batches}: the engine holds at most {max(batches)} sessions")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     folders = [ensure_model(Path(args.models_dir), p) for p in args.presets.split(",") if p]
@@ -218,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'batch':>5} {'step ms':>9} {'tokens/s':>10} {'x batch 1':>10}")
     rows: list[dict[str, object]] = []
     plans: list[dict[str, object]] = []
+    profiles: list[dict[str, object]] = []
+    skipped: list[dict[str, object]] = []  # variants this engine cannot build, with the reason (never a number)
     complete = True
     for folder in folders:
         params = LlamaConfig.from_folder(folder).num_parameters
@@ -235,13 +288,38 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
                     complete = False
                     continue
+                where = {"model": folder.name, "context": context, "graphs": graphs, "variant": variant}
+                if reason := variant_unavailable(variant):
+                    print(f"{variant}: skipped ({reason})", flush=True)
+                    skipped.append({**where, "reason": reason})
+                    continue
                 plan = memory_plan(folder, slots=max(batches), max_seq_len=max_seq_len, device=device, dtype=dtype,
                                    resident=model, variant=variant)
-                plans.append({"model": folder.name, "context": context, "graphs": graphs, "variant": variant, **plan})
-                by_mode, sdpa = bench_model(folder, batches=batches, steps=args.steps, rounds=args.rounds,
-                                            warmup=args.warmup, device=device, dtype=dtype, prompt_len=prompt_len,
-                                            graphs=graphs, constrained_modes=tuple(args.constrained),
-                                            max_seq_len=max_seq_len, model=model, variant=variant)
+                plans.append({**where, **plan})
+                try:
+                    by_mode, sdpa, measured_profiles, build_s = bench_model(
+                        folder, batches=batches, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                        device=device, dtype=dtype, prompt_len=prompt_len, graphs=graphs,
+                        constrained_modes=tuple(args.constrained), max_seq_len=max_seq_len, model=model,
+                        variant=variant, profile_batches=profile_batches, profile_step_count=args.profile_steps)
+                except EngineError as exc:  # the engine refuses this variant here (a kernel it lacks, ...)
+                    print(f"{variant}: skipped (the engine refused it: {exc})", flush=True)
+                    skipped.append({**where, "reason": f"the engine refused it: {exc}"})
+                    continue
+                except Exception as exc:  # a kernel that fails to compile or run: this variant only, said so
+                    traceback.print_exc()
+                    skipped.append({**where, "reason": f"failed: {type(exc).__name__}: {str(exc)[:300]}",
+                                    "failed": True})
+                    complete = False
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                    continue
+                for p in measured_profiles:
+                    profiles.append({"model": folder.name, "context": context, "variant": variant,
+                                     "graphs": graphs and device.startswith("cuda"), **p})
+                    print(f"profile {variant} batch {p['batch']}: {p['kernels_per_step']} kernels/step, "
+                          f"idle {p['idle_share']:.0%}, top {p['top_kernels'][0]['name'] if p['top_kernels'] else '-'}",
+                          flush=True)
                 fit = "?" if plan["max_slots"] is None else plan["max_slots"]
                 for constrained, step_s in by_mode.items():
                     base = 1 / step_s[1]
@@ -256,18 +334,19 @@ def main(argv: list[str] | None = None) -> int:
                                      "batch": batch, "step_ms": round(step_s[batch] * 1e3, 3),
                                      "tokens_per_s": round(rate, 1), "x_batch_1": round(rate / base, 2),
                                      "kv_len_first": prompt_len + 1, "kv_len_last": prompt_len + growth,
-                                     "sdpa": sdpa})
+                                     "sdpa": sdpa, "build_s": round(build_s, 2)})
                 if args.json:  # after every configuration: a run stopped part-way keeps what it measured
                     _write_atomically(Path(args.json), {
                         "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps,
                         "rounds": args.rounds, "warmup": args.warmup, "contexts_are_kv_tops": args.contexts_are_kv_tops,
-                        "complete": False, "rows": rows, "memory_plans": plans})
+                        "complete": False, "rows": rows, "memory_plans": plans, "profiles": profiles,
+                        "skipped": skipped})
         del model
     if args.json:
         _write_atomically(Path(args.json), {
             "device": device, "dtype": dtype, "torch": torch.__version__, "steps": args.steps, "rounds": args.rounds,
             "warmup": args.warmup, "contexts_are_kv_tops": args.contexts_are_kv_tops, "complete": complete,
-            "rows": rows, "memory_plans": plans})
+            "rows": rows, "memory_plans": plans, "profiles": profiles, "skipped": skipped})
     return 0
 
 

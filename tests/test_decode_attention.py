@@ -360,3 +360,29 @@ def test_server_with_triton_and_fp8_cache_serves_every_protocol(tiny_orpheus: Pa
         assert kv["dtype"] == "float8_e4m3fn" and kv["bytes_per_slot"] * 4 == fp32_bytes
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+def test_fused_pipelined_blocks_match_the_reference(cache_dtype: torch.dtype) -> None:
+    """engine.fused's decode attention: blocks of block_rows(dtype) rows (16, 32, 64: equal bytes), the loop
+    Triton pipelines on a GPU (the interpreter runs the same block in its plain loop). Exact against the
+    reference over what the cache holds."""
+    from orpheus_serve.engines.decode_attention import block_rows
+
+    assert [block_rows(d) for d in (torch.float32, torch.bfloat16, FP8_DTYPE)] == [16, 32, 64]
+    c = random_cache(num_slots=5, kv_heads=2, max_seq_len=150, head_dim=16, heads=4, batch=4, seed=12)
+    per_head = (1, -1, 1, 1)
+    scales: dict[str, torch.Tensor] = {}
+    k, v = c["k"].to(cache_dtype), c["v"].to(cache_dtype)
+    if cache_dtype == FP8_DTYPE:
+        scales = {"k_scale": kv_scales(c["k"].abs().amax(dim=(0, 2, 3))),
+                  "v_scale": kv_scales(c["v"].abs().amax(dim=(0, 2, 3)))}
+        k, v = quantize_fp8(c["k"], scales["k_scale"].view(per_head)), quantize_fp8(c["v"], scales["v_scale"].view(per_head))
+    k_held = k.float() * scales["k_scale"].view(per_head) if scales else k.float()
+    v_held = v.float() * scales["v_scale"].view(per_head) if scales else v.float()
+    d = on_device({**c, "k": k, "v": v, **scales})
+    for splits in (1, 2):
+        out = decode_attention(d["q"], d["k"], d["v"], d["slots"], d["lengths"], num_splits=splits, pipelined=True,
+                               **{n: d[n] for n in scales})
+        expected = reference(c["q"], k_held, v_held, c["slots"], c["lengths"])
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-6)

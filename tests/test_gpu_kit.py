@@ -320,9 +320,11 @@ def engine_run(tmp_path: Path, *, left_s: float, **shapes: object) -> kit.StageR
 
     run = kit.StageRun("engine", dataclasses.replace(kit.DRY, **shapes), results=tmp_path / "out",
                        work=tmp_path / "work", deadline=time.time() + left_s, dry_run=True)
-    row = {"kv_len_first": 250, "kv_len_last": 255, "graphs": True, "constrained": True, "batch": 2, "step_ms": 1.0,
-           "tokens_per_s": 2000.0, "x_batch_1": 1.8}
-    run.data.update(bench={"rows": [row], "complete": True}, slots_that_fit=[], sdpa=["cpu"], complete=True)
+    row = {"variant": "base", "kv_len_first": 250, "kv_len_last": 255, "graphs": True, "constrained": True,
+           "batch": 2, "step_ms": 1.0, "tokens_per_s": 2000.0, "x_batch_1": 1.8, "build_s": 0.5}
+    bench = {"rows": [row], "complete": True, "skipped": [{"variant": "compiled", "reason": "no compile option"}]}
+    run.data.update(bench=bench, slots_that_fit=[], sdpa=["cpu"], complete=True,
+                    variants=kit.variant_rows(run.shapes, bench))
     return run
 
 
@@ -330,13 +332,21 @@ def test_engine_sub_steps_short_of_time_are_skipped_and_said_so(tmp_path: Path) 
     run = engine_run(tmp_path, left_s=5)
     llama = tmp_path / "no-model"  # nothing may start: the time check comes first
     run.data["lora"] = kit._engine_lora(run, llama)
-    run.data["variants"] = kit._engine_variants(run, llama)
+    run.data["gemm"] = kit._engine_gemm_shapes(run, llama)
+    run.data["variants"] = kit.variant_rows(run.shapes, run.data["bench"], run.data["lora"])
     kit.render_engine(run)
     assert run.data["lora"] == {"status": "skipped", "reason": "5 s left, 20 s needed", "rows": []}
-    assert run.data["variants"]["status"] == "skipped" and not run.data["variants"]["rows"]
+    assert run.data["gemm"]["status"] == "skipped" and not run.data["gemm"]["rows"]
     assert all(p.endswith("(deadline)") for p in run.data["problems"]) and len(run.data["problems"]) == 2
     assert "**SKIPPED**: 5 s left, 20 s needed" in run.table and "| distinct adapters |" not in run.table
-    assert "| 250-255 | on | on | 2 |" in run.table  # the main bench's numbers stay
+    assert "| base | 250-255 | - | 1.00 |" in run.table  # the measured variant's numbers stay
+    # Every named variant has its row: measured, or skipped with its reason, never a number.
+    by_name = {v["variant"]: v for v in run.data["variants"]}
+    assert list(by_name) == [*run.shapes.variants, "lora0", "lora1", "lora2"]
+    assert by_name["compiled"] == {"variant": "compiled", "status": "skipped", "reason": "no compile option"}
+    assert by_name["fused"]["status"] == "skipped" and "step_ms" not in by_name["fused"]
+    assert by_name["lora2"] == {"variant": "lora2", "status": "skipped", "reason": "5 s left, 20 s needed"}
+    assert "| compiled | **SKIPPED**: no compile option |" in run.table
 
 
 def test_a_failed_engine_sub_step_is_reported_not_merged_as_a_number(tmp_path: Path,
@@ -348,10 +358,10 @@ def test_a_failed_engine_sub_step_is_reported_not_merged_as_a_number(tmp_path: P
 
     monkeypatch.setattr(run, "run", failing)
     run.data["lora"] = kit._engine_lora(run, tmp_path / "model")
-    run.data["variants"] = kit._engine_variants(run, tmp_path / "model")
+    run.data["gemm"] = kit._engine_gemm_shapes(run, tmp_path / "model")
     kit.render_engine(run)
     assert run.data["lora"]["status"] == "failed" and "out of memory" in run.data["lora"]["reason"]
-    assert run.data["variants"]["status"] == "failed" and run.data["variants"]["rows"] == []
+    assert run.data["gemm"]["status"] == "failed" and "gemm" not in run.data["gemm"]
     assert all(p.endswith("(sub-step failed)") for p in run.data["problems"])
     assert run.table.count("**FAILED**") == 2 and "| distinct adapters |" not in run.table
 
@@ -380,17 +390,38 @@ def test_the_engine_stage_measures_adapters_and_variants(tmp_path: Path) -> None
     lora = engine["lora"]
     assert lora["status"] == "measured" and [r["adapters"] for r in lora["rows"]] == [0, 1, 2]
     assert all(r["batch"] == 2 and r["rank"] == 16 and r["tokens_per_s"] > 0 for r in lora["rows"])
-    variants = engine["variants"]
-    assert variants["status"] == "measured" and variants["measured"] == ["triton", "triton+fp8kv", "triton+fp8kv+fp8w"]
-    assert all(r["batch"] == 2 and r["context"] == 256 and r["tokens_per_s"] > 0 for r in variants["rows"])
+    check_engine_variants_and_profile(engine)
 
     doc = tmp_path / "PERFORMANCE.md"
     performance_doc(doc)
     subprocess.run([*REPORT, str(out), "--doc", str(doc), "--raw-root", str(tmp_path / "raw"), "--allow-dry-run"],
                    check=True, capture_output=True)
     merged = doc.read_text()
-    assert "LoRA adapters in a batch of 2 (rank 16" in merged and "| distinct adapters |" in merged
-    assert "Attention / precision variants" in merged and "| triton+fp8kv | 250-255 | 2 |" in merged
+    assert "LoRA adapters in a batch of 2 (rows lora0/lora8/lora32; rank 16" in merged
+    assert "| lora2 | 2 |" in merged and "| fp8kv | 58-63 |" in merged
+    assert "Top kernels at batch 1:" in merged and "| batch | activity | steps |" in merged
+
+
+def check_engine_variants_and_profile(engine: dict[str, object]) -> None:
+    """The dry run's engine.json: a row per named variant (measured, or skipped with its reason), a profile per
+    profiled batch, the GEMM shapes."""
+    variants = {v["variant"]: v for v in engine["variants"]}  # type: ignore[union-attr]
+    assert list(variants) == [*kit.DRY.variants, "lora0", "lora1", "lora2"]
+    for name, row in variants.items():
+        if row["status"] == "measured":
+            assert all(float(v) > 0 for v in row["tokens_per_s"].values()), name
+            if not name.startswith("lora"):
+                assert set(row["step_ms"]) == {"1", "2"} and row["build_s"] >= 0, name
+        else:
+            assert row["status"] in ("skipped", "failed") and row["reason"] and "step_ms" not in row, name
+    assert all(variants[v]["status"] == "measured" for v in ("base", "fused", "fp8kv", "fp8w"))
+    profile = engine["profile"]
+    assert profile["variant"] == "base" and [p["batch"] for p in profile["batches"]] == [1, 2]  # type: ignore[index]
+    for p in profile["batches"]:  # type: ignore[index]
+        assert p["activity"] == "cpu" and p["kernels_per_step"] > 0 and 0 <= p["idle_share"] < 1
+        assert p["top_kernels"] and abs(sum(k["share"] for k in p["top_kernels"]) - 1) < 0.5
+    gemm = engine["gemm"]
+    assert gemm["status"] == "measured" and {r["gemm"] for r in gemm["rows"]} == {"qkv", "o", "gate_up", "down"}
 
 
 def test_run_sh_rejects_unknown_stages_and_bad_budgets() -> None:
@@ -453,11 +484,9 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
 
     engine = datas["engine"]
     rows = engine["bench"]["rows"]
-    assert {(r["context"], r["graphs"], r["constrained"], r["batch"]) for r in rows} == {
-        (c, False, True, b) for c in (256, 512) for b in (1, 2)}  # graphs on and off: both off on a CPU
+    assert {(r["context"], r["graphs"], r["constrained"]) for r in rows} == {(64, False, True)}  # no graphs on a CPU
     assert [r["adapters"] for r in engine["lora"]["rows"]] == [0, 1, 2]
-    assert {(r["variant"], r["batch"]) for r in engine["variants"]["rows"]} == {
-        (v, 2) for v in ("triton", "triton+fp8kv", "triton+fp8kv+fp8w")}
+    check_engine_variants_and_profile(engine)
     # Every step of a context's measurement attends within the graph bucket that ends at the context.
     assert all(r["context"] // 2 < r["kv_len_first"] <= r["kv_len_last"] <= r["context"] for r in rows)
     assert engine["slots_that_fit"][0]["max_slots"] > 0
@@ -475,6 +504,10 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
 
     serve = datas["serve"]
     assert "server.engine_process=true" in serve["overrides"] and serve["warmup"]["succeeded"] > 0
+    # The engine core (its own process) profiled its steps in one more round at the highest level.
+    profile = serve["profile"]
+    assert profile["status"] == "measured" and profile["concurrency"] == 2
+    assert profile["batches"][0]["steps"] == kit.DRY.serve_profile_steps and profile["batches"][0]["kernels_per_step"] > 0
     assert [r["concurrency"] for r in serve["rows"]] == [1, 2]
     for row in serve["rows"]:
         assert row["succeeded"] == row["requests"] and row["errors"] == 0 and row["short_streams"] == 0
@@ -493,7 +526,8 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert refused.returncode != 0 and "dry run" in refused.stderr
     subprocess.run([*merge, "--allow-dry-run"], check=True, capture_output=True)
     assert "DRY RUN" in doc.read_text() and "real-time streams at p95 TTFB < 150 ms" in doc.read_text()
-    assert "LoRA adapters in a batch of 2" in doc.read_text() and "| triton+fp8kv+fp8w | " in doc.read_text()
+    assert "Profile of the serve stage's steps" in doc.read_text()
+    assert "LoRA adapters in a batch of 2" in doc.read_text() and "| fp8w | " in doc.read_text()
 
 
 @pytest.mark.gpukit  # about a minute: with the full dry run, outside the CI lane

@@ -11,16 +11,17 @@ Stages (ARCHITECTURE §8; the card run is two calls, serve alone, then check, co
           means the box was not used.
 - engine: writes an Orpheus-3B-shaped random checkpoint (the exact config of
           canopylabs/orpheus-3b-0.1-ft; weight values do not change speed), then
-          `scripts/bench_engine.py` (weights loaded once, straight to the GPU): decode step ms and
-          tokens/s per batch size at two KV lengths, each inside one CUDA-graph bucket, CUDA graphs
-          on and off (the constraint on), the attention kernel that ran; then the memory plan (slots
-          that fit) against the card's free memory. Two sub-steps follow, each skipped (and said so)
-          when too little of the stage's time is left: `scripts/bench_lora.py` on the same checkpoint,
-          a batch of 128 sessions with 0, 8 and 32 distinct random PEFT adapters (rank 16, all seven
-          target modules, CUDA graphs on, pool of 32); then `bench_engine.py --variants` (triton
-          split-K decode attention, + FP8 KV cache, + FP8 linears) at the big points only: batch 128
-          and 256 at KV lengths up to 1,024, graphs on. A sub-step that fails is recorded as failed,
-          with the main numbers kept.
+          `scripts/bench_engine.py --variants` (weights loaded once, straight to the GPU): one engine per
+          variant (base: the server's defaults; fused: engine.fused; compiled: engine.compile; fp8kv;
+          fp8w; fused+fp8kv; fused+fp8w), decode step ms and tokens/s at batch 1, 128 and 256 with KV
+          lengths up to 1,024 (one CUDA-graph bucket), graphs on, the constraint on, each engine's build
+          time, and a torch.profiler profile of each one's step at batch 1 and 256 (engine.json
+          `profile`). A variant this tree cannot build is a row marked skipped, with the reason. Then the
+          memory plan (slots that fit) against the card's free memory, and two sub-steps, each skipped
+          (and said so) when too little of the stage's time is left: `scripts/bench_lora.py`, a batch of
+          128 sessions with 0, 8 and 32 distinct random PEFT adapters (rows lora0/lora8/lora32; rank 16,
+          all seven target modules, CUDA graphs on, pool of 32); `scripts/bench_fp8_gemm.py`, the
+          decoder's GEMM shapes in bf16 and FP8. A sub-step that fails is recorded as failed.
 - codec:  the stateful SNAC decoder in FP16 on its own CUDA stream: ms per decode pass at each
           batch size with CUDA graphs (`codec.cuda_graphs`, the server's default) and without, side by
           side, and the host (thread CPU) ms of a pass for both; audio seconds decoded per GPU second,
@@ -37,7 +38,9 @@ Stages (ARCHITECTURE §8; the card run is two calls, serve alone, then check, co
           decision (`flow` in GET /v1/stats: capacity and its limit reason, engine and codec bounds,
           margins, loop period, codec pass, lead p5) sampled every 0.5 s per level. Then the top level
           measured runs again on a second server with `scheduler.admission=slots` (admitted while a slot
-          is free): the pipeline's own capacity, apart from the admission control's estimate.
+          is free): the pipeline's own capacity, apart from the admission control's estimate. And one more
+          round at the highest level with the engine core profiling 50 of its steps (engine.profile_dir):
+          serve.json's `profile`, shaped as engine.json's.
 
 Every stage rewrites its STAGE.json (numbers, a Markdown table, `ok`, `complete`, `problems`) with
 an atomic rename after every piece it measures, and stops starting new pieces as its deadline nears:
@@ -117,6 +120,7 @@ class Shapes:
     serve_ramp_s: float  # a level's first requests arrive spread evenly over this
     serve_max_tokens: int
     serve_max_seq_len: int
+    serve_profile_steps: int = 50  # engine-core steps profiled in one more round at the highest serve level
     memory_plan_seq_lens: list[int] = field(default_factory=lambda: [1024, 4096])
     constrained: str = "on"  # the frame-position constraint in the main engine bench: on, off or on,off
     # Engine sub-step: adapters in one batch (bench_lora.py), graphs on.
@@ -126,15 +130,19 @@ class Shapes:
     lora_steps: int = 8
     lora_rounds: int = 3
     lora_reserve_s: float = 60.0  # kept back from the main bench; the sub-step starts only with this left
-    # Engine sub-step: decode attention / precision variants (bench_engine.py --variants) at the big points.
-    variants: list[str] = field(default_factory=lambda: ["triton", "triton+fp8kv", "triton+fp8kv+fp8w"])
-    variant_batches: list[int] = field(default_factory=lambda: [128, 256])
+    # The engine stage's rows (bench_engine.py --variants): each variant at these batch sizes, KV lengths up to
+    # variant_context, graphs on; a profile of each variant's step at profile_batches.
+    variants: list[str] = field(default_factory=lambda: ["base", "fused", "compiled", "fp8kv", "fp8w", "fused+fp8kv",
+                                                         "fused+fp8w"])
+    variant_batches: list[int] = field(default_factory=lambda: [1, 128, 256])
     variant_context: int = 1024
-    variants_min_s: float = 40.0  # the sub-step starts only with this left (one variant engine ~20 s)
     # The codec stage stops starting batch sizes with less than this left, and measures the overlap with the
     # engine only with more than codec_overlap_min_s left (it builds a 3B engine: ~10 s on an H200).
     codec_batch_min_s: float = 15.0
     codec_overlap_min_s: float = 20.0
+    profile_batches: list[int] = field(default_factory=lambda: [1, 256])
+    gemm_batches: list[int] = field(default_factory=lambda: [1, 128, 256])  # M of the per-shape GEMM measurement
+    gemm_min_s: float = 15.0  # the GEMM sub-step starts only with this left
 
 
 REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256], contexts=[256, 1024],
@@ -145,9 +153,11 @@ REAL = Shapes(preset="3b", device="cuda", dtype="bf16", batches=[1, 32, 128, 256
 DRY = Shapes(preset="tiny", device="cpu", dtype="fp32", batches=[1, 2], contexts=[256, 512], steps=2, rounds=1,
              warmup=1, codec_batches=[1, 2], codec_passes=2, overlap_batch=2, overlap_steps=4,
              serve_warmup_concurrency=1, serve_levels=[1, 2], serve_requests_per_stream=1, serve_ramp_s=0.2,
-             serve_max_tokens=28, serve_max_seq_len=256, memory_plan_seq_lens=[256], lora_batch=2,
-             lora_counts=[0, 1, 2], lora_steps=2, lora_rounds=1, lora_reserve_s=20.0, variant_batches=[2],
-             variant_context=256, variants_min_s=15.0)
+             serve_max_tokens=28, serve_max_seq_len=256, serve_profile_steps=10, memory_plan_seq_lens=[256], lora_batch=2,
+             lora_counts=[0, 1, 2], lora_steps=2, lora_rounds=1, lora_reserve_s=20.0, variant_batches=[1, 2],
+             variant_context=64, profile_batches=[1, 2], gemm_batches=[1, 2], gemm_min_s=5.0,
+             # The named rows; the fused combinations are left to the card (Triton's interpreter is slow).
+             variants=["base", "fused", "compiled", "fp8kv", "fp8w"])
 
 
 # ----------------------------------------------------------------- one stage's run
@@ -378,40 +388,90 @@ def _junit_failures(path: Path) -> list[tuple[str, str]]:
 
 
 def stage_engine(run: StageRun) -> None:
+    """The variants (Shapes.variants: base, fused, compiled, ...) at batch 1, 128 and 256 near 1,024 tokens,
+    each engine's build time and a profile of its step at batch 1 and 256; then the LoRA rows
+    (lora0/lora8/lora32) and the FP8 GEMMs per shape. README.md states the call plan."""
     shapes = run.shapes
     llama, _ = ensure_models(run)
-    bench, code = _engine_bench(run, llama, tag="engine-bench", batches=shapes.batches, contexts=shapes.contexts,
-                                graphs="on,off", constrained=shapes.constrained,
-                                # The LoRA sub-step's time is kept back; no configuration starts in the
-                                # last 40 s before it: one takes tens of seconds at batch 256.
-                                deadline=run.deadline - shapes.lora_reserve_s - 40)
+    kept = shapes.lora_reserve_s + shapes.gemm_min_s
+    bench, code = _engine_bench(run, llama, tag="engine-variants", batches=shapes.variant_batches,
+                                contexts=[shapes.variant_context], graphs="on", constrained=shapes.constrained,
+                                # The sub-steps' time is kept back (the bench is stopped there if it runs on); no
+                                # variant starts in the last 25 s before it: one engine at batch 256 takes about
+                                # 20 s to build and measure.
+                                deadline=run.deadline - kept - 25, variants=shapes.variants,
+                                profile_batches=shapes.profile_batches, reserve_s=kept)
     if code not in (0, 124):
         run.problem(f"bench_engine.py exited {code}")
-    if not bench.get("complete"):
-        run.problem("not every configuration was measured (deadline)")
+    for failed in (s for s in bench.get("skipped", []) if s.get("failed")):
+        run.problem(f"variant {failed['variant']}: {failed['reason']} (sub-step failed)")
+    if not bench.get("complete") and not any(s.get("failed") for s in bench.get("skipped", [])):
+        run.problem("not every variant was measured (deadline)")
     from scripts.bench_engine import memory_plan
 
     # Nothing else holds the card now: the plan is against its real free memory.
-    plans = [memory_plan(llama, slots=max(shapes.batches), max_seq_len=n, device=shapes.device, dtype=shapes.dtype)
-             for n in shapes.memory_plan_seq_lens]
+    plans = [memory_plan(llama, slots=max(shapes.variant_batches), max_seq_len=n, device=shapes.device,
+                         dtype=shapes.dtype) for n in shapes.memory_plan_seq_lens]
     run.data.update(model=llama.name, bench=bench, slots_that_fit=plans, sdpa=sorted(
-        {str(r.get("sdpa")) for r in bench["rows"]}))
+        {str(r.get("sdpa")) for r in bench["rows"]}), profile=engine_profile(bench))
     if not bench["rows"]:
         run.problem("no engine configuration was measured")
     run.data["complete"] = bool(bench.get("complete")) and code == 0
+    run.data["variants"] = variant_rows(shapes, bench)
     render_engine(run)
     run.save()
     run.data["lora"] = _engine_lora(run, llama)
+    run.data["variants"] = variant_rows(shapes, bench, run.data["lora"])
     render_engine(run)
     run.save()
-    run.data["variants"] = _engine_variants(run, llama)
+    run.data["gemm"] = _engine_gemm_shapes(run, llama)
     render_engine(run)
     run.data["complete"] = run.data["complete"] and all(
-        run.data[k].get("status") == "measured" for k in ("lora", "variants"))
+        run.data[k].get("status") == "measured" for k in ("lora", "gemm"))
+
+
+def engine_profile(bench: dict[str, Any], variant: str = "base") -> dict[str, Any]:
+    """engine.json's `profile`: the profiled steps of `variant` per batch size (kernels per step, top kernels,
+    idle share; engines/profiling.py), and every other variant's under `variants`."""
+    profiles = bench.get("profiles", [])
+    by_variant: dict[str, list[dict[str, Any]]] = {}
+    for p in profiles:
+        by_variant.setdefault(p["variant"], []).append(p)
+    return {"variant": variant, "batches": by_variant.pop(variant, []), "variants": by_variant}
+
+
+def variant_rows(shapes: Shapes, bench: dict[str, Any], lora: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per named variant, in the kit's order: measured (step ms and tokens/s per batch size, the
+    engine's build time), or skipped / not measured with the reason, never a number."""
+    skipped = {s["variant"]: (s["reason"], "failed" if s.get("failed") else "skipped") for s in bench.get("skipped", [])}
+    out: list[dict[str, Any]] = []
+    for name in shapes.variants:
+        rows = [r for r in bench["rows"] if r["variant"] == name]
+        if rows:
+            out.append({"variant": name, "status": "measured", "build_s": rows[0].get("build_s"),
+                        "kv_lens": f"{rows[0]['kv_len_first']}-{rows[0]['kv_len_last']}",
+                        "slots_fit": rows[0].get("slots_fit"),
+                        "step_ms": {str(r["batch"]): r["step_ms"] for r in rows},
+                        "tokens_per_s": {str(r["batch"]): r["tokens_per_s"] for r in rows}})
+        else:
+            reason, status = skipped.get(name, ("not measured (deadline or a failed run)", "skipped"))
+            out.append({"variant": name, "status": status, "reason": reason})
+    for count in shapes.lora_counts:
+        name = f"lora{count}"
+        row = next((r for r in (lora or {}).get("rows", []) if r["adapters"] == count), None)
+        if row is not None:
+            out.append({"variant": name, "status": "measured", "batch": row["batch"],
+                        "step_ms": {str(row["batch"]): row["step_ms"]},
+                        "tokens_per_s": {str(row["batch"]): row["tokens_per_s"]}, "vs_base": row.get("vs_base")})
+        else:
+            out.append({"variant": name, "status": "skipped",
+                        "reason": (lora or {}).get("reason") or "LoRA sub-step not run yet"})
+    return out
 
 
 def _engine_bench(run: StageRun, llama: Path, *, tag: str, batches: list[int], contexts: list[int], graphs: str,
-                  constrained: str, deadline: float, variants: list[str] | None = None) -> tuple[dict[str, Any], int]:
+                  constrained: str, deadline: float, variants: list[str] | None = None,
+                  profile_batches: list[int] | None = None, reserve_s: float = 0.0) -> tuple[dict[str, Any], int]:
     """One `bench_engine.py` run: (its JSON, its exit code)."""
     shapes = run.shapes
     raw = run.work / f"{tag}.json"
@@ -424,11 +484,15 @@ def _engine_bench(run: StageRun, llama: Path, *, tag: str, batches: list[int], c
            "--deadline", str(deadline)]
     if variants:
         cmd += ["--variants", ",".join(variants)]
+    if profile_batches:
+        cmd += ["--profile-batches", ",".join(map(str, profile_batches))]
     if run.dry_run:
         cmd += ["--threads", "1"]
     # Triton on a CPU (the dry run) runs in its interpreter only.
-    proc = run.run(cmd, log_name=f"{tag}.log", reserve_s=20, env={"TRITON_INTERPRET": "1"} if run.dry_run else None)
-    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": [], "complete": False}
+    proc = run.run(cmd, log_name=f"{tag}.log", reserve_s=20 + reserve_s,
+                   env={"TRITON_INTERPRET": "1"} if run.dry_run else None)
+    bench = json.loads(raw.read_text()) if raw.exists() else {"rows": [], "memory_plans": [], "complete": False,
+                                                              "profiles": [], "skipped": []}
     return bench, proc.returncode
 
 
@@ -472,63 +536,67 @@ def _engine_lora(run: StageRun, llama: Path) -> dict[str, Any]:
     return {"status": "measured", "adapters_dir": str(adapters), **data}
 
 
-def _engine_variants(run: StageRun, llama: Path) -> dict[str, Any]:
-    """Decode attention / precision variants (docs/ATTENTION.md) at the big points, graphs on."""
+def _engine_gemm_shapes(run: StageRun, llama: Path) -> dict[str, Any]:
+    """The decoder's four GEMM shapes in bf16 and FP8 (scripts/bench_fp8_gemm.py) at the variant batch sizes."""
     shapes = run.shapes
-    name = "attention / precision variants"
-    if run.left() < shapes.variants_min_s:
-        return _substep_skipped(run, name, f"{run.left():.0f} s left, {shapes.variants_min_s:.0f} s needed")
-    bench, code = _engine_bench(run, llama, tag="engine-variants", batches=shapes.variant_batches,
-                                contexts=[shapes.variant_context], graphs="on", constrained="on",
-                                deadline=run.deadline - 25, variants=shapes.variants)
-    rows = [r for r in bench["rows"] if r["batch"] in shapes.variant_batches]
-    measured = sorted({r["variant"] for r in rows}, key=shapes.variants.index)
-    result = {"status": "measured", "rows": rows, "memory_plans": bench.get("memory_plans", []),
-              "variants": shapes.variants, "measured": measured}
-    if code not in (0, 124):
-        return {**_substep_failed(run, name, f"bench_engine.py --variants exited {code}"), "rows": rows}
-    if measured != shapes.variants:
-        missing = [v for v in shapes.variants if v not in measured]
-        run.problem(f"{name}: {', '.join(missing)} not measured (deadline)")
-        result["status"] = "partial"
-    return result
+    name = "FP8 GEMMs per shape"
+    if run.left() < shapes.gemm_min_s:
+        return _substep_skipped(run, name, f"{run.left():.0f} s left, {shapes.gemm_min_s:.0f} s needed")
+    raw = run.work / "engine-gemm.json"
+    raw.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_fp8_gemm.py"), "--model", str(llama), "--device",
+           shapes.device, "--batches", ",".join(map(str, shapes.gemm_batches)), "--json", str(raw)]
+    if run.dry_run:
+        cmd += ["--threads", "1", "--iters", "2"]
+    proc = run.run(cmd, log_name="engine-gemm.log", reserve_s=5)
+    if proc.returncode == 124:
+        return {"status": "skipped", "reason": "cut short by the stage's deadline", "rows": []}
+    if proc.returncode != 0 or not raw.exists():
+        return _substep_failed(run, name, f"bench_fp8_gemm.py exited {proc.returncode}: {proc.stdout[-400:]}")
+    return {"status": "measured", **json.loads(raw.read_text())}
 
 
 def render_engine(run: StageRun) -> None:
     data = run.data
-    rows, plans = data["bench"]["rows"], data["slots_that_fit"]
+    shapes = run.shapes
+    plans = data["slots_that_fit"]
+    batches = [str(b) for b in shapes.variant_batches]
     run.table = markdown_table(
-        ["KV lengths", "CUDA graphs", "constrained", "batch", "step ms", "tokens/s", "x batch 1"],
-        [[f"{r['kv_len_first']}-{r['kv_len_last']}", r["graphs"], r["constrained"], r["batch"], r["step_ms"],
-          r["tokens_per_s"], r["x_batch_1"]] for r in rows])
+        ["variant", "KV lengths", *(f"batch {b} ms" for b in batches), *(f"batch {b} tok/s" for b in batches),
+         "build s", "slots that fit"],
+        [[v["variant"], v.get("kv_lens", "-"), *(v["step_ms"].get(b, "-") for b in batches),
+          *(v["tokens_per_s"].get(b, "-") for b in batches), v.get("build_s", "-"), v.get("slots_fit", "-")]
+         if v["status"] == "measured" else [v["variant"], f"**{v['status'].upper()}**: {v['reason']}",
+                                            *(["-"] * (2 * len(batches) + 2))]
+         for v in data.get("variants", []) if not v["variant"].startswith("lora")])
+    run.table += (f"\n\nDecode step per variant (engine.json `variants`), KV lengths up to {shapes.variant_context:,}, "
+                  f"CUDA graphs on where the device has them, constrained; build s: the engine's start (caches, "
+                  f"compilation, graphs); the lora rows (a batch of {shapes.lora_batch}) follow.")
     run.table += f"\n\nAttention (SDPA) kernel: {', '.join(data['sdpa']) or '-'}."
     run.table += "\n\nMemory plan (engine planner, 90% of the free memory measured with nothing loaded):\n\n"
     run.table += markdown_table(
         ["slots", "max_seq_len", "free GiB", "weights GiB", "KV MiB / slot", "budget GiB", "slots that fit"],
         [[p["slots"], p["max_seq_len"], p["free_gib_measured"], p["weights_gib"], p["kv_mib_per_slot"],
           p["budget_gib"], p["max_slots"]] for p in plans])
-    shapes = run.shapes
     if lora := data.get("lora"):
         graphs = "on" if any(r.get("graphs") for r in lora["rows"]) else "off"
-        run.table += (f"\n\nLoRA adapters in a batch of {shapes.lora_batch} (rank {shapes.lora_rank}, q,k,v,o,gate,"
-                      f"up,down; CUDA graphs {graphs}; pool of {max(shapes.lora_counts)}; session i uses adapter i "
-                      "mod N):")
+        run.table += (f"\n\nLoRA adapters in a batch of {shapes.lora_batch} (rows lora0/lora8/lora32; rank "
+                      f"{shapes.lora_rank}, q,k,v,o,gate,up,down; CUDA graphs {graphs}; pool of "
+                      f"{max(shapes.lora_counts)}; session i uses adapter i mod N):")
         run.table += "\n\n" + (markdown_table(
-            ["distinct adapters", "step ms", "tokens/s", "vs no adapters"],
-            [[r["adapters"], r["step_ms"], r["tokens_per_s"], r["vs_base"]] for r in lora["rows"]])
+            ["variant", "distinct adapters", "step ms", "tokens/s", "vs no adapters"],
+            [[f"lora{r['adapters']}", r["adapters"], r["step_ms"], r["tokens_per_s"], r["vs_base"]]
+             for r in lora["rows"]])
             if lora["status"] == "measured" else f"**{lora['status'].upper()}**: {lora['reason']}")
-    if variants := data.get("variants"):
-        graphs = "on" if any(r.get("graphs") for r in variants["rows"]) else "off"
-        run.table += (f"\n\nAttention / precision variants (docs/ATTENTION.md) at KV lengths up to "
-                      f"{shapes.variant_context:,}, CUDA graphs {graphs}, constrained (sdpa: the rows above):")
-        if variants["rows"]:
-            run.table += "\n\n" + markdown_table(
-                ["variant", "KV lengths", "batch", "step ms", "tokens/s", "slots that fit"],
-                [[r["variant"], f"{r['kv_len_first']}-{r['kv_len_last']}", r["batch"], r["step_ms"],
-                  r["tokens_per_s"], r["slots_fit"]] for r in variants["rows"]])
-        if variants["status"] != "measured":
-            run.table += f"\n\n**{variants['status'].upper()}**: " + (variants.get("reason") or "not every variant "
-                                                                          "was measured (deadline)")
+    if gemm := data.get("gemm"):
+        run.table += ("\n\nDecoder GEMMs per shape (`scripts/bench_fp8_gemm.py`): bf16 against FP8 "
+                      "`torch._scaled_mm` (row-major A, column-major B), per-row scales and one scale per tensor, "
+                      "activation quantisation not included:")
+        run.table += "\n\n" + (markdown_table(
+            ["GEMM", "M", "N x K", "bf16 us", "fp8 rowwise us", "fp8 tensorwise us", "best / bf16"],
+            [[r["gemm"], r["m"], f"{r['n']} x {r['k']}", r["bf16_us"], r["fp8_rowwise_us"],
+              r["fp8_tensorwise_us"], r["best_vs_bf16"]] for r in gemm["rows"]])
+            if gemm["status"] == "measured" else f"**{gemm['status'].upper()}**: {gemm['reason']}")
 
 
 # ----------------------------------------------------------------- codec
@@ -892,7 +960,8 @@ def stage_serve(run: StageRun) -> None:
 
     shapes = run.shapes
     llama, snac_dir = ensure_models(run)
-    overrides = serve_overrides(shapes, llama, snac_dir)
+    profile_dir = run.work / "serve-profile"
+    overrides = [*serve_overrides(shapes, llama, snac_dir), f"engine.profile_dir={profile_dir}"]
     expected = expected_audio_s(shapes.serve_max_tokens)
     frame_s = expected / max(1, shapes.serve_max_tokens // 7)
     level_worst_s = serve_level_worst_s(shapes, expected, SchedulerConfig().queue_timeout_s)
@@ -953,6 +1022,10 @@ def stage_serve(run: StageRun) -> None:
                   f"{row['admission_inputs']['limit_reasons']}", flush=True)
             render()
             run.save()
+        if rows:  # only if it and the level with admission fixed both still fit
+            run.data["profile"] = serve_profile(run, target, spec(rows[-1]["concurrency"], seed=77), profile_dir,
+                                                rows[-1], level_worst_s + fixed_reserve_s)
+            run.save()
         stats = target.stats()
         run.data["server_stats_end"] = {k: stats.get(k) for k in ("process", "memory", "engine", "codec") if k in stats}
     if not rows:
@@ -1000,6 +1073,30 @@ def _serve_admission_fixed(run: StageRun, overrides: list[str], concurrency: int
     print(f"serve {concurrency} (admission=slots): TTFB p95 {row['ttfb_p95_ms']} ms, "
           f"{row['succeeded']}/{row['requests']} ok, underruns {row['underrun_events']}", flush=True)
     return row
+
+
+def serve_profile(run: StageRun, target: Any, load: Any, folder: Path, top: dict[str, Any],
+                  estimate_s: float) -> dict[str, Any]:
+    """One more round at the serve stage's highest level, `serve_profile_steps` of its engine-core steps
+    profiled inside the server (engine.profile_dir, engines/profiling.ArmedStepProfiler): from the first step
+    with at least 3/4 of that level's peak of admitted streams. serve.json's `profile`, shaped as engine.json's."""
+    from orpheus_serve.benchmarking.runner import measure
+
+    name = "profile of the engine core's steps"
+    if run.left() < estimate_s + 20:
+        return _substep_skipped(run, name, f"{run.left():.0f} s left, {estimate_s + 20:.0f} s needed")
+    result, arm = folder / "profile.json", folder / "arm"
+    result.unlink(missing_ok=True)
+    min_rows = max(1, int(0.75 * (top.get("admitted_peak") or 1)))
+    arm.write_text(f"{run.shapes.serve_profile_steps} {min_rows}")
+    measure(target, load)
+    arm.unlink(missing_ok=True)  # not taken (too few rows ever): no later profile
+    if not result.exists():
+        return _substep_failed(run, name, f"the engine core ran fewer than {run.shapes.serve_profile_steps} steps "
+                                          f"with {min_rows} or more decode rows")
+    summary = json.loads(result.read_text())
+    return {"status": "measured", "variant": "serve", "concurrency": load.concurrency,
+            "batches": [{"batch": summary["decode_rows_mean"], **summary}]}
 
 
 STAGE_FUNCS: dict[str, Callable[[StageRun], None]] = {

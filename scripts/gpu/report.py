@@ -166,6 +166,30 @@ def stage_result(data: dict[str, Any], table: str) -> tuple[str, str]:
     return "ok", "; ".join(problems)
 
 
+def profile_tables(profile: dict | None, title: str) -> str:
+    """Markdown for a `profile` object (engine.json, serve.json; engines/profiling.py): one line per profiled
+    batch (kernels per step, busy and idle), then its top kernels with their share of the device time."""
+    if not profile or not profile.get("batches"):
+        return ""
+    out = [f"{title}:", "", "| batch | activity | steps | step ms | busy ms / step | kernels / step | idle share |",
+           "|---|---|---|---|---|---|---|"]
+    for b in profile["batches"]:
+        out.append(f"| {b['batch']} | {b['activity']} | {b['steps']} | {b['step_ms']} | {b['busy_ms_per_step']} | "
+                   f"{b['kernels_per_step']} | {b['idle_share']:.1%} |")
+    for b in profile["batches"]:
+        out += ["", f"Top kernels at batch {b['batch']}:", "", "| kernel | share | ms / step | calls / step |",
+                "|---|---|---|---|"]
+        out += [f"| `{k['name'].replace('|', '/')[:100]}` | {k['share']:.1%} | {k['ms_per_step']} | "
+                f"{k['calls_per_step']} |" for k in b["top_kernels"]]
+    others = profile.get("variants") or {}
+    if others:
+        out += ["", "Other variants, same batches:", "", "| variant | batch | step ms | kernels / step | idle share |",
+                "|---|---|---|---|---|"]
+        out += [f"| {name} | {b['batch']} | {b['step_ms']} | {b['kernels_per_step']} | {b['idle_share']:.1%} |"
+                for name, batches in others.items() for b in batches]
+    return "\n".join(out)
+
+
 def machine(data: dict[str, Any]) -> str:
     env = data.get("env", {})
     return env.get("gpu") or f"CPU, {env.get('cpu_count')} cores"
@@ -182,7 +206,9 @@ def stage_block(stage: str, data: dict[str, Any], folder: str) -> str:
     if result != "ok":
         where += f"; {result}: {problems}"
     summary = SUMMARY.format(json.dumps([stage, machine(data), env.get("date_utc"), result, problems, folder]))
-    body = table.strip() or "**FAILED**: nothing was measured."
+    profile = profile_tables(data.get("profile"), f"Profile of the {stage} stage's steps (torch.profiler; idle: "
+                             "no kernel running inside a step's wall time)")
+    body = (table.strip() or "**FAILED**: nothing was measured.") + (f"\n\n{profile}" if profile else "")
     return (f"{STAGE_BEGIN.format(stage)}\n{summary}\n### {STAGE_TITLES[stage]}\n\n{where}; stage took "
             f"{data.get('stage_seconds')} s. Raw results: `docs/gpu-results/{folder}/{stage}.json`.\n\n"
             f"{body}\n{STAGE_END.format(stage)}")

@@ -162,6 +162,12 @@ class EngineConfig(_Strict):
     # ~/.cache/orpheus-serve/torch-compile), so a restart does not compile again.
     compile: bool = False
     compile_cache_dir: str | None = None
+    # Fused Triton kernels in the decoder layers (residual add + RMSNorm, with fp8 the activations' quantisation,
+    # SiLU x up, rotary + KV cache write; engines/fused.py). Off until a card's measurement says it wins.
+    fused: bool = False
+    # A folder where the engine core takes profiling requests: write a step count into DIR/arm and the next that
+    # many engine-core steps are profiled into DIR/profile.json (engines/profiling.py; the GPU kit's serve stage).
+    profile_dir: str | None = None
     tensorrt: TensorRTConfig = TensorRTConfig()
     sim: SimConfig = SimConfig()
 

@@ -186,8 +186,13 @@ class CoreRuntime:
             held_audio_s=self.scheduler.client_held_s, on_pass=self._on_codec_pass, device=codec_device,
         )
         self._tap = on_event  # optional tap (token logs for tooling), on the engine core thread
+        step_profiler = None
+        if config.engine.profile_dir is not None:  # diagnostics on request (engines/profiling.py)
+            from ..engines.profiling import ArmedStepProfiler
+
+            step_profiler = ArmedStepProfiler(config.engine.profile_dir, getattr(engine, "device", "cpu"))
         self._core = EngineCore(self.scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames,
-                                overlap=config.engine.overlap)
+                                overlap=config.engine.overlap, step_profiler=step_profiler)
 
     @property
     def engine_alive(self) -> bool:

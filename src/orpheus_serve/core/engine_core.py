@@ -64,14 +64,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..codec.base import CodecPush
 from ..engines.base import PipelinedEngine, TokenEngine
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
 from ..scheduler.step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from ..engines.profiling import ArmedStepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +103,7 @@ class EngineCore:
         on_frames: Callable[[FramesReady], None] | None = None,
         idle_tick_s: float = 0.05,
         overlap: bool = True,
+        step_profiler: ArmedStepProfiler | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._engine = engine
@@ -122,6 +127,8 @@ class EngineCore:
         self.loop_s = 0.0  # whole loop periods that ran a step: schedule -> step -> update -> dispatch
         self.engine_failure: str | None = None  # set when the engine is declared dead
         self._lone_failures = 0  # sessions failed alone since the engine last ran anything successfully
+        # Profiles loop iterations on request (engine.profile_dir; engines/profiling.py).
+        self._step_profiler = step_profiler
 
     # ------------------------------------------------------------ from asyncio
 
@@ -186,7 +193,8 @@ class EngineCore:
                 continue
 
             t0 = time.perf_counter()
-            output = self._step(plan)
+            with self._profiled(plan):
+                output = self._step(plan)
             self.busy_s += time.perf_counter() - t0
             self.engine_elapsed_s += output.elapsed_s
             self.steps += 1
@@ -208,13 +216,17 @@ class EngineCore:
                 else:
                     self._idle(seen)
                 continue
-            launched = self._launch(engine, plan, planned_at)
-            if inflight is not None:
-                self._read_back(engine, inflight)
+            with self._profiled(plan):
+                launched = self._launch(engine, plan, planned_at)
+                if inflight is not None:
+                    self._read_back(engine, inflight)
             inflight = launched
             if launched.handle is None:  # refused at launch: run it on its own, isolating the culprits
                 self._read_back(engine, launched)
                 inflight = None
+
+    def _profiled(self, plan: StepPlan) -> AbstractContextManager[None]:
+        return nullcontext() if self._step_profiler is None else self._step_profiler.around_step(len(plan.decode))
 
     def _await_work(self, step_in_flight: bool = False) -> int | None:
         """Block until the scheduler has work (or a step is in flight); the wake-up count seen, None: stop."""

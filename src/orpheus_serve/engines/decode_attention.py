@@ -50,6 +50,15 @@ from torch import Tensor
 BLOCK_N = 32  # cache rows per inner iteration
 MIN_DOT = 16  # tl.dot's smallest M, N and K on GPUs
 TARGET_PROGRAMS = 1024  # split programs to aim for: several waves on a 132-SM H100
+PIPELINE_STAGES = 3  # blocks of K/V in flight in the pipelined loop (decode_attention(pipelined=True))
+BLOCK_BYTES = BLOCK_N * 2  # bytes per cache row element-block of the pipelined loop: BLOCK_N rows of 16-bit values
+
+
+def block_rows(cache_dtype: torch.dtype) -> int:
+    """Cache rows per block in the pipelined loop: BLOCK_N for 16-bit caches, twice that for FP8 (the same
+    bytes per block; halving the bytes per row then halves the loads, not their size), half for fp32."""
+    itemsize = torch.empty((), dtype=cache_dtype).element_size()
+    return max(MIN_DOT, BLOCK_BYTES // itemsize)
 
 
 @triton.jit
@@ -61,7 +70,7 @@ def _split_kernel(Q, K, V, Slots, Lengths, KScale, VScale, OutPartial, LsePartia
                   stride_lb, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, PIPELINED: tl.constexpr, STAGES: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,25 +96,20 @@ def _split_kernel(Q, K, V, Slots, Lengths, KScale, VScale, OutPartial, LsePartia
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # A while loop, not range(start, end): Triton's interpreter cannot take a loaded scalar as a range
-    # bound under NumPy 2.4 (its __index__ converts a 1-element array), and the kernel must run there in CI.
-    n0 = start
-    while n0 < end:
-        n = n0 + offs_n
-        n_mask = n < end
-        offsets = base + n[:, None].to(tl.int64) * stride_cn + offs_d[None, :]
-        load_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + offsets, mask=load_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_scale  # [BLOCK_G, BLOCK], log2 units
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offsets, mask=load_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
-        n0 += BLOCK
+    if PIPELINED:
+        # A for loop: Triton's software pipeliner (num_stages) prefetches the next blocks of K and V while this
+        # one is computed. It pipelines scf.for loops only, never the while loop below.
+        for n0 in tl.range(start, end, BLOCK, num_stages=STAGES):
+            m_i, l_i, acc = _attend_block(q, K, V, base, n0, end, offs_n, offs_d, d_mask, stride_cn, score_scale,
+                                          m_i, l_i, acc, PRECISION)
+    else:
+        # A while loop, not range(start, end): Triton's interpreter cannot take a loaded scalar as a range
+        # bound under NumPy 2.4 (its __index__ converts a 1-element array), and the kernel must run there in CI.
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _attend_block(q, K, V, base, n0, end, offs_n, offs_d, d_mask, stride_cn, score_scale,
+                                          m_i, l_i, acc, PRECISION)
+            n0 += BLOCK
 
     filled = l_i > 0
     out = acc / tl.where(filled, l_i, 1.0)[:, None]
@@ -115,6 +119,26 @@ def _split_kernel(Q, K, V, Slots, Lengths, KScale, VScale, OutPartial, LsePartia
     out_ptrs = OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(out_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(LsePartial + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _attend_block(q, K, V, base, n0, end, offs_n, offs_d, d_mask, stride_cn, score_scale, m_i, l_i, acc,
+                  PRECISION: tl.constexpr):
+    """One BLOCK of cache rows n0.. (those before `end`) folded into the online softmax (m_i, l_i, acc)."""
+    n = n0 + offs_n
+    n_mask = n < end
+    offsets = base + n[:, None].to(tl.int64) * stride_cn + offs_d[None, :]
+    load_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + offsets, mask=load_mask, other=0.0).to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_scale  # [BLOCK_G, BLOCK], log2 units
+    scores = tl.where(n_mask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + offsets, mask=load_mask, other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -161,13 +185,17 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int) -> int:
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, *,
                      sm_scale: float | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-                     num_splits: int | None = None) -> Tensor:
+                     num_splits: int | None = None, pipelined: bool = False) -> Tensor:
     """Attention of one query token per row over its own slot.
 
     q [B, H, D]; k_cache, v_cache [num_slots, Hkv, max_seq_len, D] (fp32, fp16, bf16 or float8_e4m3fn,
     head_dim contiguous); slots, lengths [B] integer device tensors: row b attends over
     cache[slots[b], :, :lengths[b]] (lengths >= 1). k_scale, v_scale [Hkv] fp32: what an FP8 cache's
     values are multiplied by to dequantise. Returns [B, H, D] in q's dtype.
+
+    `pipelined` (engine.fused; on a GPU only, Triton's interpreter runs the plain loop): the block loop as a
+    for loop that Triton software-pipelines (STAGES blocks of K/V in flight), with blocks of
+    `block_rows(cache dtype)` rows, so an FP8 cache moves as many bytes per block as a bf16 one.
     """
     B, H, D = q.shape
     _num_slots, Hkv, max_seq_len, Dc = k_cache.shape
@@ -197,8 +225,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
-        GROUP=group, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, NUM_SPLITS=splits,
+        GROUP=group, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK=block_rows(k_cache.dtype) if pipelined else BLOCK_N, NUM_SPLITS=splits,
         HAS_SCALE=has_scale, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PIPELINED=pipelined and q.is_cuda, STAGES=PIPELINE_STAGES,
     )
     out = torch.empty_like(q)
     _combine_kernel[(B, H)](

@@ -72,14 +72,24 @@ class Fp8Linear(nn.Module):
         return cls(linear.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
-        x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_TINY)  # [M, 1]
-        x_fp8 = (rows.float() / x_scale).to(FP8_DTYPE)
-        # CUDA's row-wise scaled GEMM writes bf16 only; the CPU one writes the input's dtype.
+        return self.forward_quantized(x, quantize_rows(x.reshape(-1, self.in_features)))
+
+    def forward_quantized(self, x: Tensor, quantized: tuple[Tensor, Tensor]) -> Tensor:
+        """The GEMM on x already quantised per row (`quantize_rows`, or fused.py's norms, which quantise
+        their output as they write it): x gives only the shape and dtype of the result."""
+        x_fp8, x_scale = quantized  # [M, K] e4m3 row-major, [M, 1] fp32
+        # Hopper's FP8 GEMM takes A row-major and B column-major: weight_fp8 [N, K] contiguous, transposed
+        # as a view. CUDA's row-wise scaled GEMM writes bf16 only; the CPU one writes the input's dtype.
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
                              out_dtype=out_dtype)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """rows [M, K] -> (e4m3 [M, K], scales [M, 1] fp32): one scale per row, amax / 448."""
+    scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_TINY)  # [M, 1]
+    return (rows.float() / scale).to(FP8_DTYPE), scale
 
 
 def fp8_weight_bytes(out_features: int, in_features: int) -> int:

@@ -27,6 +27,11 @@ to its own length (position + 1), with no gather, mask or dependence on `kv_len`
 Prefill keeps SDPA. `kv_dtype=float8_e4m3fn` stores the cache in FP8 with one
 static scale per layer and KV head, calibrated on a short prompt when the cache is set
 up (fp8.py; ARCHITECTURE §6).
+
+`use_fused_kernels()` (`engine.fused`) runs each layer through fused.py's Triton kernels instead:
+the residual adds inside the norms that follow them (`TransformerBlock.forward_fused`), SiLU x up
+in one kernel, rotary and the cache write in one; with FP8 weights the norms hand the GEMMs
+their input already quantised.
 """
 
 from __future__ import annotations
@@ -263,11 +268,6 @@ class KVCache(nn.Module):
             values = values.float() * self.v_scale.view(1, -1, 1, 1)
         return keys.to(self.compute_dtype), values.to(self.compute_dtype)
 
-    def update(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """`write`, then `read` up to kv_len."""
-        self.write(slots, positions, k, v)
-        return self.read(slots, kv_len)
-
 
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -278,30 +278,42 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         # decode_attention.decode_attention when single-token passes use the Triton kernel.
         self.decode_kernel: Callable[..., Tensor] | None = None
+        # Rotary + cache write in one kernel (fused.py) and the decode kernel's pipelined loop
+        # (decode_attention.py): Transformer.use_fused_kernels.
+        self.fused = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor, positions: Tensor,
-                kv_len: int, lora: LayerLora | None = None, lengths: Tensor | None = None) -> Tensor:
+                kv_len: int, lora: LayerLora | None = None, lengths: Tensor | None = None,
+                x_fp8: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`lengths` [B] (given for T = 1 when the decode kernel is set): each row attends over its own
-        slot up to that length, read in place; otherwise SDPA over the gathered cache with `mask`."""
+        slot up to that length, read in place; otherwise SDPA over the gathered cache with `mask`.
+        `x_fp8`: x already quantised per row (the fused norm's FP8 output) for an FP8 q|k|v GEMM."""
         cfg = self.config
         B, T, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         G = H // Hkv
-        qkv = self.wqkv(x) if lora is None else lora("wqkv", x, self.wqkv(x))
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rotary_emb(q.view(B, T, H, D), cos, sin)  # [B, T, H, D]
-        k = apply_rotary_emb(k.view(B, T, Hkv, D), cos, sin)  # [B, T, Hkv, D]
-        v = v.view(B, T, Hkv, D)
+        base = self.wqkv(x) if x_fp8 is None else self.wqkv.forward_quantized(x, x_fp8)
+        qkv = base if lora is None else lora("wqkv", x, base)
         cache = self.kv_cache
         assert cache is not None, "setup_caches() first"
+        if self.fused and cache.observed_amax is None:  # (calibrating an FP8 cache: the unfused write below)
+            from orpheus_serve.engines.fused import rope_cache_write
+
+            q = rope_cache_write(qkv, cos, sin, cache.k_cache, cache.v_cache, slots, positions, n_heads=H,
+                                 n_kv_heads=Hkv, k_scale=cache.k_scale, v_scale=cache.v_scale)  # [B, T, H, D]
+        else:
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = apply_rotary_emb(q.view(B, T, H, D), cos, sin)  # [B, T, H, D]
+            k = apply_rotary_emb(k.view(B, T, Hkv, D), cos, sin)  # [B, T, Hkv, D]
+            cache.write(slots, positions, k, v.view(B, T, Hkv, D))
         if lengths is not None:
             assert self.decode_kernel is not None and T == 1
-            cache.write(slots, positions, k, v)
             y = self.decode_kernel(q.view(B, H, D), cache.k_cache, cache.v_cache, slots, lengths,
-                                   k_scale=cache.k_scale, v_scale=cache.v_scale).reshape(B, T, H * D)  # [B, H, D]
+                                   k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                   pipelined=self.fused).reshape(B, T, H * D)  # [B, H, D]
         else:
             assert mask is not None
-            keys, values = cache.update(slots, positions, k, v, kv_len)  # [B, Hkv, S, D]
+            keys, values = cache.read(slots, kv_len)  # [B, Hkv, S, D]
             # Grouped-query attention without repeating k/v: the G query heads that share a kv head
             # become G*T query rows against that head. Head h = kv * G + g (Hugging Face's grouping).
             q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
@@ -317,11 +329,22 @@ class FeedForward(nn.Module):
         self.w13: nn.Module = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate | up
         self.w2: nn.Module = nn.Linear(config.intermediate_size, config.dim, bias=False)
 
-    def forward(self, x: Tensor, lora: LayerLora | None = None) -> Tensor:
-        gate_up = self.w13(x) if lora is None else lora("w13", x, self.w13(x))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        h = F.silu(gate) * up
-        return self.w2(h) if lora is None else lora("w2", h, self.w2(h))
+    def forward(self, x: Tensor, lora: LayerLora | None = None, x_fp8: tuple[Tensor, Tensor] | None = None,
+                fused: bool = False) -> Tensor:
+        """`x_fp8`: x already quantised per row (the fused norm's FP8 output); `fused`: SiLU x up in one kernel
+        (fused.silu_mul), which also quantises its output for an FP8 down projection."""
+        base = self.w13(x) if x_fp8 is None else self.w13.forward_quantized(x, x_fp8)
+        gate_up = base if lora is None else lora("w13", x, base)
+        h_fp8 = None
+        if fused:
+            from orpheus_serve.engines.fused import silu_mul
+
+            h, h_fp8 = silu_mul(gate_up, fp8=isinstance(self.w2, Fp8Linear))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = F.silu(gate) * up
+        down = self.w2(h) if h_fp8 is None else self.w2.forward_quantized(h, h_fp8)
+        return down if lora is None else lora("w2", h, down)
 
 
 class TransformerBlock(nn.Module):
@@ -337,6 +360,20 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, slots, positions, kv_len, lora, lengths)
         return h + self.feed_forward(self.ffn_norm(h), lora)
 
+    def forward_fused(self, delta: Tensor | None, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                      slots: Tensor, positions: Tensor, kv_len: int, lora: LayerLora | None = None,
+                      lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The same layer with fused kernels (fused.py): the residual stream arrives as x + delta, delta being
+        the previous layer's MLP output (None for the first layer), so every residual add happens inside the
+        norm that follows it. Returns (x + delta + attention, MLP output): the next layer's (x, delta)."""
+        from orpheus_serve.engines.fused import add_rms_norm
+
+        fp8 = isinstance(self.attention.wqkv, Fp8Linear)
+        x, normed, normed_fp8 = add_rms_norm(delta, x, self.attention_norm.weight, self.attention_norm.eps, fp8=fp8)
+        attended = self.attention(normed, cos, sin, mask, slots, positions, kv_len, lora, lengths, normed_fp8)
+        h, normed, normed_fp8 = add_rms_norm(attended, x, self.ffn_norm.weight, self.ffn_norm.eps, fp8=fp8)
+        return h, self.feed_forward(normed, lora, normed_fp8, fused=True)
+
 
 class Transformer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -349,6 +386,16 @@ class Transformer(nn.Module):
         self.num_slots = 0
         self.max_seq_len = 0
         self.attention_kernel = "sdpa"
+        self.fused = False
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Run the decoder layers with fused.py's Triton kernels (`engine.fused`): residual add + RMSNorm (and,
+        with FP8 weights, the activations' quantisation) in one kernel, SiLU x up in one, rotary + KV cache
+        write in one, and the Triton decode attention's software-pipelined loop (blocks of equal bytes for
+        every cache dtype). Needs Triton (on a CPU: TRITON_INTERPRET=1)."""
+        self.fused = enabled
+        for layer in self.layers:
+            layer.attention.fused = enabled
 
     def setup_caches(self, num_slots: int, max_seq_len: int, *, kv_dtype: torch.dtype | None = None,
                      attention: str = "sdpa") -> None:
@@ -436,6 +483,14 @@ class Transformer(nn.Module):
             visible = self.cache_positions[:kv_len] <= positions.unsqueeze(-1)  # [B, T, S]
             mask = visible.unsqueeze(1).expand(B, G, T, kv_len).reshape(B, 1, G * T, kv_len)  # query rows g*T + t
         x = self.tok_embeddings(tokens)
+        if self.fused:
+            from orpheus_serve.engines.fused import add_rms_norm
+
+            delta: Tensor | None = None
+            for i, layer in enumerate(self.layers):
+                x, delta = layer.forward_fused(delta, x, cos, sin, mask, slots, positions, kv_len,
+                                               None if lora is None else lora.layer(i), lengths)
+            return add_rms_norm(delta, x, self.norm.weight, self.norm.eps)[1]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, slots, positions, kv_len, None if lora is None else lora.layer(i), lengths)
         return self.norm(x)

@@ -43,7 +43,9 @@ slot up to its own length, whatever the batch's longest) one graph per padded ba
 every length. Padding rows write into a scratch slot that no session owns. With `compile_decode`
 (engine.compile) what the graphs capture is the decode pass compiled by torch.compile with a dynamic
 batch (compiled.py), warmed up once at start-up; without graphs (a CPU) it runs each step. Prefill
-(variable length) and sampling (a few dozen kernels, no host sync) run eagerly. The graphs'
+(variable length) runs eagerly, and so does sampling (a few dozen kernels, no host sync), except
+with `fused`: then each graph also holds the frame constraint's projection and the draw
+(`_sample_in_graph`), and a step whose rows are all constrained is one replay. The graphs'
 static inputs are created on the engine's stream, after everything queued before the capture.
 
 Batch composition. Sampling is per session: each slot draws with its own seeded generator, keyed
@@ -146,10 +148,13 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, *, keys: Sequence[GraphKey], scratch_slot: int,
                  stream: torch.cuda.Stream, lora_pool: LoraPool | None = None,
-                 lora_kernel: bool = False, decode: Callable[..., Tensor] | None = None) -> None:
+                 lora_kernel: bool = False, decode: Callable[..., Tensor] | None = None,
+                 sampler: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> None:
         """`keys`: the graphs to capture (`decode_graph_keys`); `decode`: what is captured, `model.decode` or its
         compiled form (`CompiledDecode`); `lora_kernel`: the rows' adapters through the segmented Triton kernels
-        (lora_kernels.py) rather than the torch gather."""
+        (lora_kernels.py) rather than the torch gather; `sampler(hidden, slots, steps)`: when given, captured
+        after the forward pass too (the frame constraint's projection and the draw, engine.fused), so a step of
+        constrained rows is one replay."""
         device = model.output.weight.device
         decode = decode or model.decode
         if any(key.with_lora for key in keys) and lora_pool is None:
@@ -158,7 +163,8 @@ class DecodeGraphs:
         self.kv_lens = sorted({key.kv_len for key in keys})
         self.scratch_slot = scratch_slot
         max_batch = self.batch_sizes[-1]
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
+        self.samples = sampler is not None
         pool = torch.cuda.graph_pool_handle()
         # Whatever the caller queued on its stream (weights, caches) comes before the capture, and the
         # static inputs are made on the capture stream itself: a graph never reads a buffer whose
@@ -169,26 +175,30 @@ class DecodeGraphs:
             self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
             self.lora_entries = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            self.steps = torch.zeros(max_batch, dtype=torch.int64, device=device)  # audio positions, for the sampler
             for key in keys:  # largest first: the shared pool is sized by the first capture, reused by the rest
-                def step(key: GraphKey = key) -> Tensor:
+                def forward(key: GraphKey = key) -> tuple[Tensor, Tensor | None]:
                     # The rows' grouping by adapter (kernel mode) is device work: captured with the pass.
                     lora = LoraBatch.on_device(lora_pool, self.lora_entries[:key.batch], kernel=lora_kernel) \
                         if key.with_lora and lora_pool is not None else None
-                    return decode(self.tokens[:key.batch], self.slots[:key.batch], self.positions[:key.batch],
-                                  key.kv_len, lora)
+                    hidden = decode(self.tokens[:key.batch], self.slots[:key.batch], self.positions[:key.batch],
+                                    key.kv_len, lora)  # [batch, dim]
+                    drawn = None if sampler is None else sampler(hidden, self.slots[:key.batch], self.steps[:key.batch])
+                    return hidden, drawn
 
                 for _ in range(2):  # warm-up outside the graph (allocator, kernel selection, compilation)
-                    step()
+                    forward()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    hidden = step()  # [batch, dim]
-                self.graphs[key] = (graph, hidden)
+                    hidden, drawn = forward()
+                self.graphs[key] = (graph, hidden, drawn)
         stream.synchronize()
 
     def run(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
-            lora_entries: Tensor | None = None) -> Tensor:
+            lora_entries: Tensor | None = None, steps: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Same contract as Transformer.decode, `lora_entries` [n] the rows' pool entries (None: no
-        row has an adapter); the result is a view valid until the next run."""
+        row has an adapter). Returns (hidden states [n, dim], and with a sampler and `steps` [n], the rows'
+        audio positions, the tokens drawn inside the graph [n], else None): views valid until the next run."""
         n = tokens.shape[0]
         batch = next(b for b in self.batch_sizes if b >= n)
         bucket = next(k for k in self.kv_lens if k >= kv_len)
@@ -202,9 +212,12 @@ class DecodeGraphs:
         if lora_entries is not None:
             self.lora_entries[:n].copy_(lora_entries)
             self.lora_entries[n:batch].zero_()
-        graph, hidden = self.graphs[GraphKey(batch, bucket, lora_entries is not None)]
+        if steps is not None and self.samples:
+            self.steps[:n].copy_(steps)
+            self.steps[n:batch].zero_()
+        graph, hidden, drawn = self.graphs[GraphKey(batch, bucket, lora_entries is not None)]
         graph.replay()
-        return hidden[:n]
+        return hidden[:n], None if drawn is None or steps is None else drawn[:n]
 
 
 def resolved_device(device: torch.device, current_index: int) -> torch.device:
@@ -271,14 +284,19 @@ def _attention_kernel(name: str, device: torch.device) -> str:
     if name not in ("sdpa", "triton"):
         raise EngineError(f"unknown attention kernel {name!r}; expected auto, sdpa or triton")
     if name == "triton":
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            raise EngineError("engine.attention: triton needs the triton package (pip install triton)") from exc
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise EngineError(f"engine.attention: triton on {device.type} runs in Triton's interpreter only: "
-                              "set TRITON_INTERPRET=1 (slow; for tests) or use attention sdpa")
+        _require_triton("engine.attention: triton", device)
     return name
+
+
+def _require_triton(what: str, device: torch.device) -> None:
+    """EngineError unless Triton kernels can run on `device` (on a CPU: in Triton's interpreter only)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise EngineError(f"{what} needs the triton package (pip install triton)") from exc
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise EngineError(f"{what} on {device.type} runs in Triton's interpreter only: "
+                          "set TRITON_INTERPRET=1 (slow; for tests) or turn it off")
 
 
 class TorchEngine:
@@ -291,13 +309,14 @@ class TorchEngine:
                  adapters_dir: str | Path | None = None, max_loras: int = 0, max_lora_rank: int = 64,
                  attention: str = "sdpa", kv_cache_dtype: str | None = None, quantization: str = "none",
                  lora_kernel: str = "auto", compile_decode: bool = False,
-                 compile_cache_dir: str | Path | None = None) -> None:
+                 compile_cache_dir: str | Path | None = None, fused: bool = False) -> None:
         """`sdpa`: the attention kernels PyTorch may pick on CUDA (engines/sdpa.py). `model`: weights already
         loaded from `model_path` on `device` in `dtype`, shared by engines run one after another (a benchmark);
         its caches are this engine's until close(). `adapters_dir`, `max_loras`, `max_lora_rank`: lora.py;
         `lora_kernel` (auto | triton | torch): how decode steps apply the rows' adapters (lora_kernels.py).
         `attention` (sdpa | triton), `kv_cache_dtype`, `quantization` (none | fp8): docs/ATTENTION.md.
-        `compile_decode`, `compile_cache_dir`: the decode pass under torch.compile (compiled.py)."""
+        `compile_decode`, `compile_cache_dir`: the decode pass under torch.compile (compiled.py). `fused`: the
+        decoder layers' fused Triton kernels (engines/fused.py)."""
         if num_slots < 1 or max_seq_len < 2 or max_batch_size < 1:
             raise EngineError("num_slots and max_batch_size must be >= 1 and max_seq_len >= 2")
         folder = _checked_folder(model_path, quantization=quantization, shared=model)
@@ -309,6 +328,8 @@ class TorchEngine:
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else self.dtype
         self.attention = _attention_kernel(attention, self.device)
         self.lora_kernel = _lora_kernel(lora_kernel, self.device)
+        if fused:
+            _require_triton("engine.fused", self.device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -333,13 +354,15 @@ class TorchEngine:
             self.model = model
             if quantization == "fp8":
                 self.model.quantize_weights_fp8()
+            self.model.use_fused_kernels(fused)  # set either way: a shared model may come from a fused engine
             # With graphs, one extra cache row takes the padding rows' writes.
             self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len,
                                     kv_dtype=self.kv_dtype, attention=self.attention)
             # On a CPU, sorting 4097 candidates per row costs more than the rest of sampling: filter
             # among the 64 most likely first (exact; rows whose top-p set is wider get the sort).
-            self._sampling = SlotSamplingState(num_slots, self.config.vocab_size, self.device,
-                                               fast_width=None if self.device.type == "cuda" else 64)
+            # With graphs, the scratch slot's row too: padding rows are sampled inside a fused engine's graphs.
+            self._sampling = SlotSamplingState(num_slots + 1 if use_graphs else num_slots, self.config.vocab_size,
+                                               self.device, fast_width=None if self.device.type == "cuda" else 64)
             self._last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
             # Custom voices (ARCHITECTURE §6): None when no adapters folder is configured.
             self.lora: LoraManager | None = LoraManager(
@@ -350,6 +373,7 @@ class TorchEngine:
         self._unpinned: list[str] = []
         self._seed_source = random.Random(seed)
         self._closed = False
+        self._fused = fused
         self._graphs: DecodeGraphs | None = None
         self.compile_s: float | None = None  # torch.compile's start-up time (compile_decode)
         self.graph_capture_s: float | None = None
@@ -397,7 +421,8 @@ class TorchEngine:
             self._graphs = DecodeGraphs(
                 self.model, keys=self.planned_graph_keys(), scratch_slot=self.num_slots, stream=self._stream,
                 lora_pool=self.lora.pool if self.lora is not None else None,
-                lora_kernel=self.lora_kernel == "triton", decode=self._compiled)
+                lora_kernel=self.lora_kernel == "triton", decode=self._compiled,
+                sampler=self._sample_in_graph if self._fused else None)
         self.graph_capture_s = time.perf_counter() - started
         logger.info("captured %d decode graphs in %.1f s", len(self._graphs.graphs), self.graph_capture_s)
 
@@ -425,6 +450,7 @@ class TorchEngine:
             max_loras=voices.max_loras, max_lora_rank=voices.max_lora_rank, sdpa=engine.sdpa_backends,
             attention=engine.attention, kv_cache_dtype=engine.kv_cache_dtype, quantization=engine.quantization,
             lora_kernel=voices.lora_kernel, compile_decode=engine.compile, compile_cache_dir=engine.compile_cache_dir,
+            fused=engine.fused,
         )
 
     # ------------------------------------------------------------------ TokenEngine
@@ -612,6 +638,13 @@ class TorchEngine:
             return self._sampling.sample_constrained(logits, slots, steps, params, record=False)
         return self._sampling.sample_full(self.model.logits(hidden), slots, steps, params, record=False)
 
+    def _sample_in_graph(self, hidden: Tensor, slots: Tensor, steps: Tensor) -> Tensor:
+        """The constrained draw with every row's work done (no host parameters, no host sync): capturable,
+        and the same tokens as `_sample` gives constrained rows (sampling.sample_candidates: the work
+        `_sample` may skip is a no-op for the rows it skips it for)."""
+        logits = constrained_logits(hidden, self.model.output.weight, steps)  # [B, 4097]
+        return self._sampling.sample_constrained(logits, slots, steps, None, record=False)
+
     def _decodable(self, slots: Sequence[int], out: StepOutput) -> list[int]:
         rows: list[int] = []
         listed: set[int] = set()
@@ -641,9 +674,13 @@ class TorchEngine:
         kv_len = int(host[1].max()) + 1
         tokens = self._last_token[slots]
         entries = [s.lora_entry for s in sessions]  # type: ignore[union-attr]
+        params = [s.sampling for s in sessions]  # type: ignore[union-attr]
+        constrained = [p.constrained for p in params]
+        drawn: Tensor | None = None
         if self._graphs is not None:
-            hidden = self._graphs.run(tokens, slots, positions, kv_len,
-                                      ints_to_device(entries, self.device) if any(entries) else None)
+            hidden, drawn = self._graphs.run(tokens, slots, positions, kv_len,
+                                             ints_to_device(entries, self.device) if any(entries) else None,
+                                             steps=steps if all(constrained) else None)
         else:
             # Eager: the kernels where chosen (CUDA), else the host's grouping, which costs a CPU least.
             lora = self._lora_batch(entries, mode="kernel" if self.lora_kernel == "triton" else "gather")
@@ -651,10 +688,10 @@ class TorchEngine:
             args = (tokens, slots, positions, kv_len) if lora is None else (tokens, slots, positions, kv_len, lora)
             hidden = decode(*args)  # [B, dim]
 
-        params = [s.sampling for s in sessions]  # type: ignore[union-attr]
         host_steps = host[2].tolist()
-        constrained = [p.constrained for p in params]
-        if all(constrained) or not any(constrained):
+        if drawn is not None:  # sampled inside the graph
+            new = drawn.clone()  # the graph's output buffer is overwritten by the next replay
+        elif all(constrained) or not any(constrained):
             new = self._sample(hidden, slots, steps, host_steps, params)
         else:
             new = torch.empty_like(slots)
