@@ -80,7 +80,7 @@ PRESET_FOLDERS = {"tiny": "tiny-orpheus", "100m": "orpheus-100m"}
 VARIANTS: dict[str, dict[str, str | bool]] = {
     "base": {},
     "fused": {"fused": True},
-    "compiled": {"compile": True},
+    "compiled": {"compile_decode": True},
     "fp8kv": {"kv_cache_dtype": "fp8"},
     "fp8w": {"quantization": "fp8"},
     "fused+fp8kv": {"fused": True, "kv_cache_dtype": "fp8"},
