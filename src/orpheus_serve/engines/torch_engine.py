@@ -236,6 +236,14 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return resolved_device(a, current) == resolved_device(b, current)
 
 
+def _model_bytes(model: Transformer) -> tuple[int, int, int]:
+    """(weights, KV cache, KV cache per slot) of a loaded model, in bytes."""
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    caches = [b for name, b in model.named_buffers() if name.endswith(("k_cache", "v_cache"))]
+    return (sum(weights.values()), sum(b.numel() * b.element_size() for b in caches),
+            sum(b[0].numel() * b.element_size() for b in caches))
+
+
 def _checked_folder(model_path: str | Path, *, quantization: str, shared: Transformer | None) -> Path:
     """The model folder, once what needs nothing loaded is checked."""
     folder = Path(model_path)
@@ -507,12 +515,8 @@ class TorchEngine:
     def memory_report(self) -> MemoryReport:
         if self._closed:
             raise EngineError("engine is closed")
-        weights = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        kv_total = sum(b.numel() * b.element_size() for name, b in self.model.named_buffers()
-                       if name.endswith(("k_cache", "v_cache")))
-        per_slot = sum(b[0].numel() * b.element_size() for name, b in self.model.named_buffers()
-                       if name.endswith(("k_cache", "v_cache")))
-        return MemoryReport(device=str(self.device), weights_bytes=sum(weights.values()), kv_cache_bytes=kv_total,
+        weights, kv_total, per_slot = _model_bytes(self.model)
+        return MemoryReport(device=str(self.device), weights_bytes=weights, kv_cache_bytes=kv_total,
                             kv_bytes_per_slot=per_slot, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
                             free_bytes=available_bytes(self.device),
                             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), compile_s=self.compile_s,
@@ -563,9 +567,7 @@ class TorchEngine:
                 self.lora.release(name)
 
     def _lora_batch(self, entries: list[int], *, mode: LoraMode) -> LoraBatch | None:
-        if self.lora is None:
-            return None
-        return LoraBatch.for_rows(self.lora.pool, entries, mode=mode)
+        return None if self.lora is None else LoraBatch.for_rows(self.lora.pool, entries, mode=mode)
 
     def _prefill(self, chunk: PrefillChunk, out: StepOutput,
                  sampled: list[tuple[Tensor, Tensor, list[int]]]) -> None:
