@@ -236,6 +236,15 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return resolved_device(a, current) == resolved_device(b, current)
 
 
+def _serving_sdpa(cfg: LlamaConfig, sdpa: Sequence[str], device: torch.device, dtype: torch.dtype) -> str:
+    """The SDPA kernel that serves this model's decode among those allowed (engines/sdpa.py)."""
+    backend = serving_backend(sdpa, device=device, dtype=dtype, kv_heads=cfg.n_kv_heads,
+                              query_rows=cfg.n_heads // cfg.n_kv_heads, head_dim=cfg.head_dim)
+    if device.type == "cuda":
+        logger.info("attention: SDPA limited to %s; %s serves decode", ", ".join(sdpa), backend)
+    return backend
+
+
 def _model_bytes(model: Transformer) -> tuple[int, int, int]:
     """(weights, KV cache, KV cache per slot) of a loaded model, in bytes."""
     weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
@@ -388,11 +397,7 @@ class TorchEngine:
         self._compiled: CompiledDecode | None = None
         if compile_decode:
             self._compile(compile_cache_dir, scratch_slot=num_slots if use_graphs else 0)
-        cfg = self.config
-        self.sdpa_backend = serving_backend(sdpa, device=self.device, dtype=self.dtype, kv_heads=cfg.n_kv_heads,
-                                            query_rows=cfg.n_heads // cfg.n_kv_heads, head_dim=cfg.head_dim)
-        if self.device.type == "cuda":
-            logger.info("attention: SDPA limited to %s; %s serves decode", ", ".join(sdpa), self.sdpa_backend)
+        self.sdpa_backend = _serving_sdpa(self.config, sdpa, self.device, self.dtype)
         if use_graphs:
             self._capture_graphs()
 
