@@ -375,9 +375,8 @@ class TorchEngine:
             # With graphs, one extra cache row takes the padding rows' writes.
             self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len,
                                     kv_dtype=self.kv_dtype, attention=self.attention)
-            # On a CPU, sorting 4097 candidates per row costs more than the rest of sampling: filter
-            # among the 64 most likely first (exact; rows whose top-p set is wider get the sort).
-            # With graphs, the scratch slot's row too: padding rows are sampled inside a fused engine's graphs.
+            # A CPU filters among the 64 most likely first (exact; cheaper than sorting 4097 per row). With graphs,
+            # the scratch slot has a row too: padding rows are sampled inside a fused engine's graphs.
             self._sampling = SlotSamplingState(num_slots + 1 if use_graphs else num_slots, self.config.vocab_size,
                                                self.device, fast_width=None if self.device.type == "cuda" else 64)
             self._last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
