@@ -6,10 +6,21 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    from tests.pace import MachinePace
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# One intra-op thread for every torch in the run: this process and the servers and engine cores it starts (they
+# inherit the environment). The tiny models' ops are too small to split, and on two shared cores a second OpenMP
+# thread spins waiting for the first: a pace calibration round (tests/pace.py) takes 0.07 s of CPU with one
+# thread, 0.7 s with two, and ten times the wall time under load. Set before anything here imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+MEASURED_PACE = pytest.StashKey["MachinePace"]()
 
 
 def _cuda_available() -> bool:
@@ -61,6 +72,22 @@ def tiny_orpheus(tiny_models: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_snac(tiny_models: Path) -> Path:
     return tiny_models / "tiny-snac"
+
+
+@pytest.fixture(scope="session")
+def pace(tiny_orpheus: Path, pytestconfig: pytest.Config) -> MachinePace:
+    """How much slower than the reference machine this one runs the tiny model now (tests/pace.py): tests that
+    wait on time stretch their windows by it. Measured once per run, the first time a test asks."""
+    from tests.pace import calibrate
+
+    measured = calibrate(tiny_orpheus)
+    pytestconfig.stash[MEASURED_PACE] = measured
+    return measured
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if MEASURED_PACE in config.stash:  # only runs with a test that waits on time measure it
+        terminalreporter.write_line(str(config.stash[MEASURED_PACE]))
 
 
 @pytest.fixture(scope="module")
