@@ -124,6 +124,7 @@ def test_websocket_handshake_refusals(server: ServerThread) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.core_in_process
 def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) -> None:
     """stream-input answers an unusable message with an error and closes (policy violation), as ElevenLabs
     does; a multi-stream socket and its other contexts go on; the server serves the next request."""
@@ -166,6 +167,7 @@ def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) 
     assert snapshot["gateway"]["open_connections"] == 0
 
 
+@pytest.mark.core_in_process
 def test_stream_input_alignment_spans_the_audio(server: ServerThread) -> None:
     """The stream-input protocol as the SDK speaks it: audio, then each chunk's alignment in ms from that
     chunk's first sample; the spans add up to the audio's length and the characters spell the text."""

@@ -106,6 +106,7 @@ def test_the_right_key_works_on_every_protocol(server: ServerThread) -> None:
         assert len(voices.voices) == 8
 
 
+@pytest.mark.core_in_process
 def test_full_service_answers_503_with_retry_after_and_resource_exhausted(server: ServerThread,
                                                                            pace: MachinePace) -> None:
     base = server.base_url
@@ -170,6 +171,7 @@ def test_websocket_requests_per_connection_are_capped(server: ServerThread) -> N
         assert closed.value.rcvd.code == 1008
 
 
+@pytest.mark.core_in_process
 def test_not_ready_until_warmed_up(tiny_orpheus: Path) -> None:
     srv = ServerThread(sim_config(tiny_orpheus))
     try:
@@ -195,6 +197,7 @@ def test_not_ready_until_warmed_up(tiny_orpheus: Path) -> None:
         srv.stop(0)
 
 
+@pytest.mark.core_in_process
 def test_graceful_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(tiny_orpheus: Path,
                                                                               pace: MachinePace) -> None:
     # The drain window the stream needs on the reference machine, stretched to this one (tests/pace.py).
@@ -236,6 +239,7 @@ def _read_until(process: subprocess.Popen[str], needle: str, timeout_s: float) -
     raise AssertionError(f"{needle!r} not logged within {timeout_s}s:\n{''.join(lines)}")
 
 
+@pytest.mark.core_in_process
 def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(tiny_orpheus: Path,
                                                                              pace: MachinePace) -> None:
     grace_s = pace.window(15.0)  # the drain window, stretched to this machine (tests/pace.py)

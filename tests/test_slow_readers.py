@@ -157,6 +157,7 @@ async def _raw_client(port: int, i: int, read_bytes_per_s: float, duration_s: fl
     return {"received": received, "reset_at": reset_at}
 
 
+@pytest.mark.core_in_process
 def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: LaunchedServer) -> None:
     """8 normal streams beside 20 clients reading 1 KB/s and 20 that stop reading: the normal ones are
     bit-identical to a run alone, the stopped ones are reset after the stall timeout (their sessions
@@ -280,6 +281,7 @@ async def _normal_ws(base_url: str, i: int) -> bytes:
     return bytes(result.audio)
 
 
+@pytest.mark.core_in_process
 def test_a_stalled_websocket_reader_is_reset_and_others_are_untouched(server: LaunchedServer) -> None:
     stalled_count, normal_count = 5, 4
     port = server.http_port
@@ -311,6 +313,7 @@ def test_a_stalled_websocket_reader_is_reset_and_others_are_untouched(server: La
     print(f"\nWebSocket: stalled readers reset after {reset_times[0]:.1f}-{reset_times[-1]:.1f} s")
 
 
+@pytest.mark.core_in_process
 def test_a_stalled_grpc_reader_loses_its_session_at_the_timeout(server: LaunchedServer) -> None:
     """A gRPC client that stops reading (BDP probing off, so its HTTP/2 window stays at 64 KiB instead of
     growing to hold the whole utterance): its session is cancelled and its slot freed after the timeout.
