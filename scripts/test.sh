@@ -28,15 +28,17 @@ if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 .venv/bin/python -m ruff check .
 # No arguments: the CI lane, everything but the `leak` (thousands of requests, for a quiet machine), `ray` (a
-# local Ray cluster) and `gpukit` (the GPU kit on a simulated bare box) markers, with the soak at its CI size, to
-# stay inside CI's 20 minutes. --all: every marker (slow, soak at its full size, leak, ray, gpukit, browser).
+# local Ray cluster), `gpukit` (the GPU kit on a simulated bare box) and `full_size` (the big form of a check whose
+# CI-sized form runs here) markers, with the soak at its CI size, to stay inside CI's 20 minutes on two cores.
+# --all: every marker (slow, soak at its full size, full_size, leak, ray, gpukit, browser).
 # Anything else goes to pytest as is.
 if [ "${1:-}" = "--all" ]; then
   shift
   ORPHEUS_GPUKIT=1 .venv/bin/python -m pytest "$@"
   lane=all
 elif [ "$#" -eq 0 ]; then
-  ORPHEUS_SOAK_REQUESTS=${ORPHEUS_SOAK_REQUESTS:-240} .venv/bin/python -m pytest -m "not leak and not ray and not gpukit"
+  ORPHEUS_SOAK_REQUESTS=${ORPHEUS_SOAK_REQUESTS:-240} .venv/bin/python -m pytest \
+    -m "not leak and not ray and not gpukit and not full_size"
   lane=ci
 else
   .venv/bin/python -m pytest "$@"

@@ -59,7 +59,9 @@ def test_a_burst_of_submits_to_a_stopped_core_leaves_the_playing_streams_loop_on
                                                                                      pace: MachinePace) -> None:
     stopped_s, max_lag_s = pace.window(STOPPED_S), pace.window(MAX_LAG_S)
     server: ServerThread = start_server(sim_config(tiny_orpheus, **{
-        "server.engine_process": True, "server.core_call_timeout_s": pace.window(15.0), "scheduler.admission": "slots",
+        # The burst waits out the stop in the queue: its timeouts stretch with the stop.
+        "server.engine_process": True, "server.core_call_timeout_s": pace.window(15.0),
+        "scheduler.queue_timeout_s": pace.window(30.0), "scheduler.admission": "slots",
         "scheduler.max_queue": 128, "engine.sim.end_after_frames": 120}))
     try:
         core_pid = stats(server)["process"]["engine_core_pid"]
