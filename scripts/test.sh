@@ -46,9 +46,10 @@ else
 fi
 # The gateway tests again with the engine core in the server's process (server.engine_process: false, the
 # embedding mode); the pass above ran them split. The CI lane runs the ones marked `core_in_process`: each
-# protocol's stream, the stats, admission and readiness, the drain, slow and stalled readers, contexts and their
-# cancels, which are what goes through the core's client (core/client.py) and so differs between the two. Parsing,
-# refusals and fuzzing never reach the core's client. --all runs these files whole.
+# protocol's stream, the stats, admission and readiness, the drain, slow and stalled HTTP readers beside normal
+# streams, contexts and their cancels: what goes through the core's client (core/client.py) and so differs between
+# the two. Parsing, refusals and fuzzing never reach the core's client, and a stalled WebSocket or gRPC reader
+# differs from a stalled HTTP one only in the gateway. --all runs these files whole.
 GATEWAY_FILES=(tests/test_gateway_e2e.py tests/test_gateway_limits.py tests/test_gateway_units.py
                tests/test_slow_readers.py tests/test_ws_contexts.py tests/test_cartesia_fuzz.py
                tests/test_elevenlabs_fuzz.py tests/test_elevenlabs_hostile.py)

@@ -293,7 +293,6 @@ async def _normal_ws(base_url: str, i: int) -> bytes:
     return bytes(result.audio)
 
 
-@pytest.mark.core_in_process
 def test_a_stalled_websocket_reader_is_reset_and_others_are_untouched(server: LaunchedServer,
                                                                      fill_slack_s: float) -> None:
     stalled_count, normal_count = 5, 4
@@ -326,7 +325,6 @@ def test_a_stalled_websocket_reader_is_reset_and_others_are_untouched(server: La
     print(f"\nWebSocket: stalled readers reset after {reset_times[0]:.1f}-{reset_times[-1]:.1f} s")
 
 
-@pytest.mark.core_in_process
 def test_a_stalled_grpc_reader_loses_its_session_at_the_timeout(server: LaunchedServer, fill_slack_s: float) -> None:
     """A gRPC client that stops reading (BDP probing off, so its HTTP/2 window stays at 64 KiB instead of
     growing to hold the whole utterance): its session is cancelled and its slot freed after the timeout.
