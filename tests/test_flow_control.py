@@ -225,6 +225,9 @@ def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_mode
         # Room for the whole storm (32 running + 128 waiting): queued clients give up rather than being refused.
         "scheduler.max_queue=128",
         "sampling.min_tokens=280", "sampling.max_tokens=700", "server.log_level=warning",
+        # Clients that stay wait their turn (30 s on the reference machine, tests/pace.py): on a slower one the
+        # measured capacity admits fewer at a time, and a 504 would make the storm smaller than it is meant to be.
+        f"scheduler.queue_timeout_s={pace.window(30.0)}",
     ]
     with LaunchedServer(overrides, log_path=tmp_path / "server.log") as server:
         url = f"{server.url}/v1/audio/speech"
@@ -232,7 +235,7 @@ def test_a_storm_of_clients_that_leave_early_does_not_wedge_the_server(tiny_mode
 
         async def storm() -> list[tuple[str, int]]:
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=60.0, limits=limits) as http:
+            async with httpx.AsyncClient(timeout=pace.window(60.0), limits=limits) as http:
                 jobs = []
                 for i in range(160):
                     text = f"Caller {i} has a long question about the weather and the trains today."
