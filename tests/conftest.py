@@ -31,7 +31,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th of N shards of the test files (scripts/test.sh runs the CI lane's "
+                          "shards side by side: most tests wait on audio paced in real time, not on the CPU)")
+
+
+def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Whole files, dealt round-robin in name order: a module's shared server stays in one shard."""
+    index, count = (int(part) for part in config.getoption("shard").split("/"))
+    assert 1 <= index <= count, f"--shard {index}/{count}"
+    files = sorted({item.path for item in items})
+    mine = {path for position, path in enumerate(files) if position % count == index - 1}
+    config.hook.pytest_deselected(items=[item for item in items if item.path not in mine])
+    items[:] = [item for item in items if item.path in mine]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("shard"):
+        _keep_shard(config, items)
     # The GPU kit's full dry run takes minutes: only when asked for, by marker expression or environment.
     if "gpukit" not in (config.option.markexpr or "") and not os.environ.get("ORPHEUS_GPUKIT"):
         skip_kit = pytest.mark.skip(reason="the GPU kit's full dry run: pytest -m gpukit (or ORPHEUS_GPUKIT=1)")
