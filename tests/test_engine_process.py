@@ -525,14 +525,14 @@ def test_without_restart_a_dead_core_stops_the_server_with_a_nonzero_exit(tiny_o
         launched.stop()
 
 
-def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tiny_orpheus: Path,
-                                                                                 tmp_path: Path) -> None:
+def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tiny_orpheus: Path, tmp_path: Path,
+                                                                                 pace: MachinePace) -> None:
     """SIGTERM to every process of the server at once (Ctrl-C, a cgroup stop): the core ignores it, the API
     process drains its streams to their end, then stops the core, and exits 0."""
     overrides = [f"{key}={value}" for key, value in {
         "engine.backend": "sim", "engine.model_path": tiny_orpheus, "codec.decoder": "sim",
         "codec.path": tiny_orpheus.parent / "tiny-snac", "server.engine_process": "true",
-        "server.shutdown_grace_s": 15.0, "scheduler.admission": "slots",
+        "server.shutdown_grace_s": pace.window(15.0), "scheduler.admission": "slots",  # tests/pace.py
     }.items()]
     launched = LaunchedServer(overrides, ready_timeout_s=120, log_path=tmp_path / "server.log")
     launched.start()
@@ -548,7 +548,7 @@ def test_sigterm_to_the_process_group_drains_the_streams_then_stops_the_core(tin
             signalled_at.append(time.perf_counter())
             for pid in (launched.process.pid, core_pid):
                 os.kill(pid, signal.SIGTERM)
-            return list(await asyncio.wait_for(asyncio.gather(ws, grpc_call), 30))
+            return list(await asyncio.wait_for(asyncio.gather(ws, grpc_call), pace.window(30.0)))
 
         signalled_at: list[float] = []
         for stream in asyncio.run(streams_across_sigterm()):

@@ -248,7 +248,8 @@ def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(ti
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "production_server.py"), "--host", "127.0.0.1", "--port", "0", "--grpc-port",
          "0", "--set", "engine.backend=sim", "--set", "codec.decoder=sim", "--set",
-         f"engine.model_path={tiny_orpheus}", "--set", f"server.shutdown_grace_s={grace_s}",
+         f"engine.model_path={tiny_orpheus}", "--set", f"codec.path={tiny_orpheus.parent / 'tiny-snac'}",
+         "--set", f"server.shutdown_grace_s={grace_s}",
          # Both streams admitted at once (by slots), not one after the other while capacity is measured.
          "--set", "scheduler.admission=slots", "--set", f"server.engine_process={ENGINE_PROCESS}"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
