@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One intra-op thread for every torch in the run: this process and the servers and engine cores it starts (they
 # inherit the environment). The tiny models' ops are too small to split, and on two shared cores a second OpenMP
-# thread spins waiting for the first: a pace calibration round (tests/pace.py) takes 0.07 s of CPU with one
-# thread, 0.7 s with two, and ten times the wall time under load. Set before anything here imports torch.
+# thread spins waiting for the first. A pace calibration round (tests/pace.py) on the idle 2-core machine: 42 ms
+# with one thread, 66-96 ms (110 ms of CPU) with two; with other test runs on the cores, 0.07 s of CPU with one,
+# 0.7 s and ten times the wall time with two. Set before anything here imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 MEASURED_PACE = pytest.StashKey["MachinePace"]()
 
