@@ -31,14 +31,23 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.asyncio.client import connect as ws_connect
 
+from orpheus_serve.config import load_config
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 
 SAMPLES_PER_FRAME = 2048  # one SNAC frame at 24 kHz (ARCHITECTURE §4)
-# Enough tokens for ~8.5 s of audio (100 frames): paced by flow control (the client may hold 3 s unplayed,
-# ARCHITECTURE §5a), the streams are still running when SIGTERM comes after their first 10 frames.
-DRAIN_MAX_TOKENS = 700
+FRAME_S = SAMPLES_PER_FRAME / 24000
+TOKENS_PER_FRAME = 7
 SIGNAL_AFTER_FRAMES = 10
+# The drain's streams: at most ~8.5 s of audio (100 frames), paced by flow control (the client may hold
+# scheduler.max_client_buffer_s unplayed, ARCHITECTURE §5a), so they are still running when SIGTERM comes after
+# their first 10 frames. On a slower (or busier) machine they are shorter: sized from the speed measured just
+# before, so that what is left of them after the signal needs at most DRAIN_BUDGET of the image's drain window
+# (server.shutdown_grace_s). A fixed size once outran the window with a CPU hog beside the server.
+DRAIN_MAX_FRAMES = 100
+DRAIN_MIN_FRAMES = SIGNAL_AFTER_FRAMES + 10
+DRAIN_BUDGET = 0.5
+CALIBRATION_TOKENS = 140  # 20 frames: inside the client's allowed lead, so generated as fast as the server can
 
 
 class CheckFailed(AssertionError):
@@ -177,20 +186,30 @@ class Stream:
     arrivals: list[float] = field(default_factory=list)
     finish_reason: str = ""
     samples: int = 0
+    first_message_bytes: int = 0
     going: asyncio.Event = field(default_factory=asyncio.Event)
 
     def received(self, data: bytes) -> None:
+        if not self.arrivals:
+            self.first_message_bytes = len(data)
         self.audio_bytes += len(data)
         self.arrivals.append(time.monotonic())
         if self.audio_bytes >= 2 * SAMPLES_PER_FRAME * SIGNAL_AFTER_FRAMES:
             self.going.set()
 
+    @property
+    def frames_per_s(self) -> float:
+        """Frames per second from its first audio message to its last (what came with the first is not timed)."""
+        span = self.arrivals[-1] - self.arrivals[0] if len(self.arrivals) > 1 else 0.0
+        timed_frames = (self.audio_bytes - self.first_message_bytes) / (2 * SAMPLES_PER_FRAME)
+        return timed_frames / span if span > 0 else float("inf")
 
-async def ws_stream(url: str, stream: Stream) -> Stream:
+
+async def ws_stream(url: str, stream: Stream, max_tokens: int) -> Stream:
     ws_url = url.replace("http://", "ws://", 1) + "/v1/audio/stream"
     async with ws_connect(ws_url, max_size=None) as ws:
         await ws.send(json.dumps({"text": "Finish me, please, whatever happens.", "response_format": "pcm",
-                                  "max_tokens": DRAIN_MAX_TOKENS, "seed": 1}))
+                                  "max_tokens": max_tokens, "seed": 1}))
         async for frame in ws:
             if isinstance(frame, bytes):
                 stream.received(frame)
@@ -204,11 +223,11 @@ async def ws_stream(url: str, stream: Stream) -> Stream:
     raise CheckFailed("the WebSocket closed before its request finished")
 
 
-async def grpc_stream(address: str, stream: Stream) -> Stream:
+async def grpc_stream(address: str, stream: Stream, max_tokens: int) -> Stream:
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.SynthesizerStub(channel).Synthesize(
             pb.SynthesizeRequest(text="Me too, to the very last sample.",
-                                 sampling=pb.SamplingOptions(max_tokens=DRAIN_MAX_TOKENS, seed=2)), timeout=120)
+                                 sampling=pb.SamplingOptions(max_tokens=max_tokens, seed=2)), timeout=120)
         async for response in call:
             if response.HasField("audio"):
                 stream.received(response.audio.audio)
@@ -217,10 +236,44 @@ async def grpc_stream(address: str, stream: Stream) -> Stream:
     return stream
 
 
+async def measured_frames_per_s(args: argparse.Namespace) -> float:
+    """The slower of a WebSocket and a gRPC stream run together, as the drain's two streams will run: short
+    enough that flow control does not pace them, so this is the server's own speed on this machine now."""
+    ws, rpc = Stream("WebSocket"), Stream("gRPC")
+    await asyncio.wait_for(asyncio.gather(ws_stream(args.url, ws, CALIBRATION_TOKENS),
+                                          grpc_stream(args.grpc, rpc, CALIBRATION_TOKENS)), 300)
+    return min(ws.frames_per_s, rpc.frames_per_s)
+
+
+def drain_frames(frames_per_s: float, grace_s: float, client_buffer_s: float) -> int:
+    """The longest drain stream (frames) whose rest after the signal fits in DRAIN_BUDGET of the drain window:
+    that rest is bounded by generation (frames left at the measured speed) and by real-time pacing (its audio
+    past the client's allowed lead)."""
+    budget_s = DRAIN_BUDGET * grace_s
+
+    def after_signal_s(frames: int) -> float:
+        return max((frames - SIGNAL_AFTER_FRAMES) / frames_per_s, frames * FRAME_S - client_buffer_s)
+
+    fitting = [n for n in range(DRAIN_MIN_FRAMES, DRAIN_MAX_FRAMES + 1) if after_signal_s(n) <= budget_s]
+    if not fitting:
+        raise CheckFailed(f"this machine generates {frames_per_s:.1f} frames/s per stream now: even a "
+                          f"{DRAIN_MIN_FRAMES}-frame stream needs {after_signal_s(DRAIN_MIN_FRAMES):.1f} s after "
+                          f"the signal, over {DRAIN_BUDGET:g} of the image's {grace_s:g} s drain window")
+    return fitting[-1]
+
+
 async def drain_checks(args: argparse.Namespace) -> None:
     healthcheck = json.loads(args.healthcheck)
+    # The image's own settings (its config file and ENV, as the server read them): the drain window under test.
+    config = load_config()
+    grace_s, client_buffer_s = config.server.shutdown_grace_s, config.scheduler.max_client_buffer_s
+    frames_per_s = await measured_frames_per_s(args)
+    frames = drain_frames(frames_per_s, grace_s, client_buffer_s)
+    check(True, f"measured {frames_per_s:.1f} frames/s per stream: drain streams of {frames} frames "
+                f"({frames * FRAME_S:.1f} s of audio) in a {grace_s:g} s window")
     ws, rpc = Stream("WebSocket"), Stream("gRPC")
-    tasks = [asyncio.create_task(ws_stream(args.url, ws)), asyncio.create_task(grpc_stream(args.grpc, rpc))]
+    tasks = [asyncio.create_task(ws_stream(args.url, ws, frames * TOKENS_PER_FRAME)),
+             asyncio.create_task(grpc_stream(args.grpc, rpc, frames * TOKENS_PER_FRAME))]
     going = asyncio.ensure_future(asyncio.gather(ws.going.wait(), rpc.going.wait()))
     done, _ = await asyncio.wait([*tasks, going], timeout=120, return_when=asyncio.FIRST_COMPLETED)
     if going not in done:  # a stream that ended (or failed) before both had their frames out, or a timeout

@@ -28,23 +28,59 @@ if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 .venv/bin/python -m ruff check .
 # No arguments: the CI lane, everything but the `leak` (thousands of requests, for a quiet machine), `ray` (a
-# local Ray cluster) and `gpukit` (the GPU kit on a simulated bare box) markers, to stay inside CI's 20 minutes.
-# --all: every marker (slow, soak, leak, ray, gpukit, browser). Anything else goes to pytest as is.
+# local Ray cluster), `gpukit` (the GPU kit on a simulated bare box) and `full_size` (the big form of a check whose
+# CI-sized form runs here) markers, with the soak at its CI size, to stay inside CI's 20 minutes on two cores.
+# --all: every marker (slow, soak at its full size, full_size, leak, ray, gpukit, browser).
+# Anything else goes to pytest as is.
+#
+# Then the gateway tests again with the engine core in the server's process (server.engine_process: false, the
+# embedding mode); the pass above ran them split. The CI lane runs the ones marked `core_in_process`: each
+# protocol's stream, the stats, admission and readiness, the drain, slow and stalled HTTP readers beside normal
+# streams, contexts and their cancels: what goes through the core's client (core/client.py) and so differs between
+# the two. Parsing, refusals and fuzzing never reach the core's client, and a stalled WebSocket or gRPC reader
+# differs from a stalled HTTP one only in the gateway. --all runs these files whole.
+GATEWAY_FILES=(tests/test_gateway_e2e.py tests/test_gateway_limits.py tests/test_gateway_units.py
+               tests/test_slow_readers.py tests/test_ws_contexts.py tests/test_cartesia_fuzz.py
+               tests/test_elevenlabs_fuzz.py tests/test_elevenlabs_hostile.py)
+CI_MARKERS="not leak and not ray and not gpukit and not full_size"
+SOAK_CI=${ORPHEUS_SOAK_REQUESTS:-240}
+SOAK_ALL=${ORPHEUS_SOAK_REQUESTS:-600}
+
+# The CI lane's shards side by side (pytest --shard, tests/conftest.py): most tests wait on audio paced in real
+# time, so two processes share two cores well; the windows of tests that wait on time stretch with the load they
+# measure (tests/pace.py). ORPHEUS_TEST_SHARDS=1 runs the lane in one process.
+ci_shard() {  # ci_shard I N: shard I of N; the last shard also runs the in-process pass
+  local status=0
+  ORPHEUS_SOAK_REQUESTS=$SOAK_CI .venv/bin/python -m pytest -m "$CI_MARKERS" --shard "$1/$2" || status=$?
+  if [ "$1" = "$2" ]; then
+    ORPHEUS_ENGINE_PROCESS=0 .venv/bin/python -m pytest -m core_in_process "${GATEWAY_FILES[@]}" || status=$?
+  fi
+  return "$status"
+}
+
 if [ "${1:-}" = "--all" ]; then
   shift
-  ORPHEUS_GPUKIT=1 .venv/bin/python -m pytest "$@"
-  lane=all
+  status=0
+  ORPHEUS_SOAK_REQUESTS=$SOAK_ALL ORPHEUS_GPUKIT=1 .venv/bin/python -m pytest "$@" || status=$?
+  ORPHEUS_ENGINE_PROCESS=0 .venv/bin/python -m pytest "${GATEWAY_FILES[@]}" || status=$?
+  exit "$status"
 elif [ "$#" -eq 0 ]; then
-  .venv/bin/python -m pytest -m "not leak and not ray and not gpukit"
-  lane=ci
+  shards=${ORPHEUS_TEST_SHARDS:-2}
+  logs=$(mktemp -d)
+  pids=()
+  for ((i = 2; i <= shards; i++)); do
+    ci_shard "$i" "$shards" >"$logs/shard-$i.log" 2>&1 &
+    pids+=("$!")
+  done
+  status=0
+  ci_shard 1 "$shards" || status=$?
+  for ((i = 2; i <= shards; i++)); do
+    wait "${pids[$((i - 2))]}" || status=$?
+    echo "======================== shard $i of $shards ========================"
+    cat "$logs/shard-$i.log"
+  done
+  rm -rf "$logs"
+  exit "$status"
 else
-  .venv/bin/python -m pytest "$@"
-  lane=custom
-fi
-if [ "$lane" != custom ]; then
-  # The gateway tests again with the engine core in the server's process (server.engine_process: false, the
-  # embedding mode), with contexts and an unpaced engine among them; the pass above ran them split.
-  ORPHEUS_ENGINE_PROCESS=0 .venv/bin/python -m pytest tests/test_gateway_e2e.py tests/test_gateway_limits.py \
-    tests/test_gateway_units.py tests/test_slow_readers.py tests/test_ws_contexts.py tests/test_cartesia_fuzz.py \
-    tests/test_elevenlabs_fuzz.py tests/test_elevenlabs_hostile.py
+  exec .venv/bin/python -m pytest "$@"
 fi

@@ -14,7 +14,8 @@
 #  4. start  the image's files (`podman image mount`) run by chroot, with /proc, /dev and /tmp bound, as the
 #            image's USER, in its WORKDIR, with its ENV and ENTRYPOINT, on the host network; waits for /ready
 #  5. serve  the image's HEALTHCHECK command, a REST speech request, gRPC Synthesize and gRPC health
-#  6. drain  SIGTERM during a WebSocket and a gRPC stream: /ready 503, both streams end whole, exit code 0
+#  6. drain  SIGTERM during a WebSocket and a gRPC stream (sized to the measured speed): /ready 503, both streams
+#            end whole, exit code 0
 # The checks (scripts/container_check.py) run inside the image too, with its Python and packages.
 #
 # Everything lives in a work folder under /tmp, with a podman store of its own (nothing is added to the
@@ -150,7 +151,8 @@ in_image_prefix
 read -r HTTP_PORT GRPC_PORT < <(check free-ports)
 # admission=slots: the drain's two streams start together, not one after the other while the server
 # measures its capacity (a fresh server admits by what it has measured). The drain keeps the image's
-# server.shutdown_grace_s (10 s): the streams are paced to real time, so they need about 5 s of it.
+# server.shutdown_grace_s (10 s); its streams are sized from the server's speed measured just before
+# (container_check.py drain), so that they need at most half of that window on a slow or busy machine too.
 in_image_prefix "ORPHEUS_SERVE__SERVER__HTTP_PORT=$HTTP_PORT" "ORPHEUS_SERVE__SERVER__GRPC_PORT=$GRPC_PORT" \
   "ORPHEUS_SERVE__SCHEDULER__ADMISSION=slots"
 [ -n "${GRPC_PORT:-}" ] || { echo "no free ports (is python3 in the image?)" >&2; exit 1; }

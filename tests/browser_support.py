@@ -61,6 +61,11 @@ class Tab:
 
     page: Page
     errors: list[str] = field(default_factory=list)
+    # Every wait's window is the reference machine's, stretched by this (tests/pace.py: MachinePace.slowness).
+    slowness: float = 1.0
+
+    def window(self, reference_s: float) -> float:
+        return reference_s * self.slowness
 
     def js(self, expression: str) -> Any:
         return self.page.evaluate(expression)
@@ -72,13 +77,14 @@ class Tab:
         predicate with eval() in the page: the page's Content-Security-Policy forbids that, and
         the tests run under the page's real policy.
         """
+        within_s = self.window(within_s)
         deadline = time.monotonic() + within_s
         while True:
             value = self.page.evaluate(expression)
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not true within {within_s}s ({expression})")
+                raise AssertionError(f"{what}: not true within {within_s:.1f}s ({expression})")
             time.sleep(0.05)
 
     def snapshot(self) -> dict[str, Any]:
@@ -86,10 +92,10 @@ class Tab:
 
 
 def open_tab(browser: Browser, url: str, *, viewport: tuple[int, int] = (1280, 900),
-             on_page: Callable[[Page], None] | None = None) -> Tab:
+             on_page: Callable[[Page], None] | None = None, slowness: float = 1.0) -> Tab:
     context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, accept_downloads=True)
     page = context.new_page()
-    tab = Tab(page)
+    tab = Tab(page, slowness=slowness)
     page.on("console", lambda message: tab.errors.append(message.text) if message.type == "error" else None)
     page.on("pageerror", lambda error: tab.errors.append(f"uncaught: {error}"))
     if on_page is not None:

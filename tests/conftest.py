@@ -6,10 +6,22 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    from tests.pace import MachinePace
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# One intra-op thread for every torch in the run: this process and the servers and engine cores it starts (they
+# inherit the environment). The tiny models' ops are too small to split, and on two shared cores a second OpenMP
+# thread spins waiting for the first. A pace calibration round (tests/pace.py) on the idle 2-core machine: 42 ms
+# with one thread, 66-96 ms (110 ms of CPU) with two; with other test runs on the cores, 0.07 s of CPU with one,
+# 0.7 s and ten times the wall time with two. Set before anything here imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+MEASURED_PACE = pytest.StashKey["MachinePace"]()
 
 
 def _cuda_available() -> bool:
@@ -20,7 +32,51 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th of N shards of the test files, dealt by weight (scripts/test.sh runs "
+                          "the CI lane's shards side by side: most tests wait on audio paced in real time)")
+
+
+# Seconds each of the heaviest test files took in the CI lane on the 2-core machine (--durations, loaded): only
+# to deal the files into shards of about equal length. A file not named here counts half a second a test.
+SHARD_WEIGHTS_S = {
+    "test_engine_process.py": 300, "test_decode_attention.py": 160, "test_gpu_kit.py": 135,
+    "test_flow_control.py": 125, "test_elevenlabs_hostile.py": 125, "test_elevenlabs_clients.py": 110,
+    "test_gateway_limits.py": 110, "test_observability.py": 85, "test_fuzz.py": 80, "test_crash_loop.py": 80,
+    "test_cartesia.py": 80, "test_riva.py": 80, "test_gateway_e2e.py": 80, "test_codec_stateful.py": 60,
+    "test_cartesia_clients.py": 60, "test_lora.py": 55, "test_slow_readers.py": 50, "test_cartesia_http.py": 50,
+    "test_custom_voices.py": 50, "test_llama.py": 50, "test_api_processes.py": 45, "test_service.py": 45,
+    "test_openai_clients.py": 40, "test_ws_contexts.py": 40, "test_gateway_load.py": 35, "test_soak.py": 35,
+    "test_container_files.py": 30, "test_playground.py": 25, "test_telephony.py": 25, "test_submit_burst.py": 20,
+    "test_hostile_input.py": 20, "test_contexts.py": 20, "test_split_parity.py": 15, "test_trtllm_engine.py": 15,
+}
+# The last shard also runs scripts/test.sh's in-process pass afterwards: it starts this much behind.
+IN_PROCESS_PASS_S = 110
+
+
+def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Whole files (a module's shared server stays in one shard), heaviest first, each to the shard with the
+    least so far: the same deal in every shard, which keeps only its own."""
+    index, count = (int(part) for part in config.getoption("shard").split("/"))
+    assert 1 <= index <= count, f"--shard {index}/{count}"
+    tests_in: dict[Path, int] = {}
+    for item in items:
+        tests_in[item.path] = tests_in.get(item.path, 0) + 1
+    weight = {path: SHARD_WEIGHTS_S.get(path.name, 0.5 * n) for path, n in tests_in.items()}
+    loads = [0.0] * count
+    loads[-1] = IN_PROCESS_PASS_S
+    shard_of: dict[Path, int] = {}
+    for path in sorted(weight, key=lambda p: (-weight[p], p.name)):
+        shard_of[path] = min(range(count), key=lambda shard: (loads[shard], shard))
+        loads[shard_of[path]] += weight[path]
+    config.hook.pytest_deselected(items=[item for item in items if shard_of[item.path] != index - 1])
+    items[:] = [item for item in items if shard_of[item.path] == index - 1]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("shard"):
+        _keep_shard(config, items)
     # The GPU kit's full dry run takes minutes: only when asked for, by marker expression or environment.
     if "gpukit" not in (config.option.markexpr or "") and not os.environ.get("ORPHEUS_GPUKIT"):
         skip_kit = pytest.mark.skip(reason="the GPU kit's full dry run: pytest -m gpukit (or ORPHEUS_GPUKIT=1)")
@@ -61,6 +117,22 @@ def tiny_orpheus(tiny_models: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_snac(tiny_models: Path) -> Path:
     return tiny_models / "tiny-snac"
+
+
+@pytest.fixture(scope="session")
+def pace(tiny_orpheus: Path, pytestconfig: pytest.Config) -> MachinePace:
+    """How much slower than the reference machine this one runs the tiny model now (tests/pace.py): tests that
+    wait on time stretch their windows by it. Measured once per run, the first time a test asks."""
+    from tests.pace import calibrate
+
+    measured = calibrate(tiny_orpheus)
+    pytestconfig.stash[MEASURED_PACE] = measured
+    return measured
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if MEASURED_PACE in config.stash:  # only runs with a test that waits on time measure it
+        terminalreporter.write_line(str(config.stash[MEASURED_PACE]))
 
 
 @pytest.fixture(scope="module")

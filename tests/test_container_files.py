@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from orpheus_serve.config import load_config
+from tests.pace import MachinePace
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -278,7 +279,7 @@ def run_healthcheck(port: int) -> subprocess.CompletedProcess[str]:
                           timeout=30, check=False)
 
 
-def test_healthcheck_against_a_real_server(tiny_orpheus: Path) -> None:
+def test_healthcheck_against_a_real_server(tiny_orpheus: Path, pace: MachinePace) -> None:
     """Healthy once ready; unhealthy while it drains a stream after a stop (as SIGTERM starts one), and once
     nothing listens."""
     from gateway_support import sim_config, start_server
@@ -298,13 +299,14 @@ def test_healthcheck_against_a_real_server(tiny_orpheus: Path) -> None:
         results: list[api_client.ClientResult] = []
         streaming.start()
         server.call(_wait_until(lambda: server.server.gateway.stats()["scheduler"]["active_sessions"] == 1))
-        stopping = asyncio.run_coroutine_threadsafe(server.server.shutdown(30.0), server.loop)
+        # A drain window of 30 s on the reference machine, stretched to this one (tests/pace.py).
+        stopping = asyncio.run_coroutine_threadsafe(server.server.shutdown(pace.window(30.0)), server.loop)
         server.call(_wait_until(lambda: server.server.gateway.readiness() == "shutting_down"))
         draining = run_healthcheck(port)
         assert draining.returncode == 1 and draining.stdout.strip().endswith(": shutting_down"), draining.stdout
         assert not stopping.done()  # still draining the stream
-        stopping.result(timeout=60)
-        streaming.join(60)
+        stopping.result(timeout=pace.window(60.0))
+        streaming.join(pace.window(60.0))
         assert results and results[0].ok and results[0].metrics["finish_reason"] in ("stop", "length")
     finally:
         server.stop(0)

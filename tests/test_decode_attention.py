@@ -26,6 +26,7 @@ from orpheus_serve.engines.fp8 import FP8_DTYPE, Fp8Linear, kv_scales, quantize_
 from orpheus_serve.engines.llama import LlamaConfig
 from orpheus_serve.engines.memory import plan_memory, weights_bytes
 from orpheus_serve.engines.torch_engine import GraphKey, TorchEngine, decode_graph_keys
+from orpheus_serve.request.types import PROTOCOLS
 from orpheus_serve.scheduler.step import EngineError, PrefillChunk, SamplingParams, StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -328,20 +329,25 @@ def test_cuda_bf16_kernel_matches_reference_at_orpheus_shapes() -> None:
 
 
 @pytest.mark.slow
-def test_server_with_triton_and_fp8_cache_serves_every_protocol(tiny_orpheus: Path, tiny_snac: Path) -> None:
+@pytest.mark.parametrize("protocols", [
+    ("grpc",),  # the CI lane: the engine's attention is the same whatever protocol asked
+    pytest.param(PROTOCOLS, marks=pytest.mark.full_size),  # every protocol in one batch: scripts/test.sh --all
+], ids=["one-protocol", "every-protocol"])
+def test_server_with_triton_and_fp8_cache_serves_every_protocol(tiny_orpheus: Path, tiny_snac: Path,
+                                                                protocols: tuple[str, ...]) -> None:
     """The whole server (real uvicorn and gRPC) with engine.attention=triton and engine.kv_cache_dtype=fp8:
-    every protocol streams audio, and /v1/stats shows the FP8 cache at a quarter of the fp32 bytes per slot."""
+    each protocol streams audio, and /v1/stats shows the FP8 cache at a quarter of the fp32 bytes per slot.
+    Under the Triton interpreter a step costs about a second per session in the batch."""
     import asyncio
 
     from orpheus_serve.client import protocols as api_client
     from orpheus_serve.engines.memory import kv_bytes_per_slot
-    from orpheus_serve.request.types import PROTOCOLS
     from tests.gateway_support import start_server, stats, tiny_config
 
     # One slot per protocol and a long queue timeout: the interpreter takes about a second per decode step.
     config = tiny_config(tiny_orpheus, tiny_snac, **{
         "engine.attention": "triton", "engine.kv_cache_dtype": "fp8", "engine.max_seq_len": 256,
-        "scheduler.max_concurrent_sessions": len(PROTOCOLS), "scheduler.max_batch_size": len(PROTOCOLS),
+        "scheduler.max_concurrent_sessions": len(protocols), "scheduler.max_batch_size": len(protocols),
         "scheduler.queue_timeout_s": 600.0, "server.stalled_client_timeout_s": 600.0})
     server = start_server(config)
     try:
@@ -349,7 +355,7 @@ def test_server_with_triton_and_fp8_cache_serves_every_protocol(tiny_orpheus: Pa
             return await asyncio.gather(*(
                 api_client.synthesize(p, "Hello there.", url=server.base_url, grpc_addr=server.grpc_address,
                                       voice="tara", fmt="pcm", temperature=0.0, seed=1, max_tokens=28)
-                for p in PROTOCOLS))
+                for p in protocols))
 
         results = asyncio.run(every_protocol())
         for result in results:

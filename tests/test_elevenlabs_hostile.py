@@ -143,6 +143,7 @@ def test_websocket_handshake_refusals(server: ServerThread, caplog: pytest.LogCa
     assert not errors, errors
 
 
+@pytest.mark.core_in_process
 def test_stream_input_bad_message_closes_that_socket_only(server: ServerThread) -> None:
     """stream-input answers an unusable message with an error and closes (policy violation), as ElevenLabs
     does; a multi-stream socket and its other contexts go on; the server serves the next request."""
@@ -258,6 +259,7 @@ def test_an_oversized_message_costs_only_its_own_context(server: ServerThread) -
     assert snapshot["kv_cache"]["used_slots"] == 0 and snapshot["gateway"]["active_streams"]["elevenlabs"] == 0
 
 
+@pytest.mark.core_in_process
 def test_stream_input_alignment_spans_the_audio(server: ServerThread) -> None:
     """The stream-input protocol as the SDK speaks it: audio, then each chunk's alignment in ms from that
     chunk's first sample; the spans add up to the audio's length and the characters spell the text."""

@@ -73,6 +73,7 @@ def test_openai_sdk_streams_decodable_audio_in_every_format(sdk: openai.OpenAI, 
         assert samples.tobytes() == reference_pcm  # greedy + noise off: the same audio, bit for bit
 
 
+@pytest.mark.core_in_process
 def test_sse_yields_delta_events_then_done_with_usage(server: ServerThread, reference_pcm: bytes) -> None:
     events = []
     with httpx.stream("POST", f"{server.base_url}/v1/audio/speech", timeout=120,
@@ -91,6 +92,7 @@ def test_sse_yields_delta_events_then_done_with_usage(server: ServerThread, refe
     assert done["metrics"]["samples"] == len(reference_pcm) // 2
 
 
+@pytest.mark.core_in_process
 def test_same_greedy_request_gives_the_same_samples_over_rest_ws_and_grpc(server: ServerThread,
                                                                          reference_pcm: bytes) -> None:
     async def all_three():
@@ -130,6 +132,7 @@ def test_grpc_and_ws_resample_and_change_speed(server: ServerThread, reference_p
     assert abs(faster.audio_seconds - seconds / 2) < 0.06
 
 
+@pytest.mark.core_in_process
 def test_models_voices_health_and_ready(server: ServerThread) -> None:
     base = server.base_url
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
@@ -144,6 +147,7 @@ def test_models_voices_health_and_ready(server: ServerThread) -> None:
     assert [v["id"] for v in voices] == list(VOICES) and all(v["name"] for v in voices)
 
 
+@pytest.mark.core_in_process
 def test_stats_have_the_documented_fields(server: ServerThread) -> None:
     snapshot = httpx.get(f"{server.base_url}/v1/stats").json()
     assert {"total_sessions", "active_sessions", "pending_sessions", "max_concurrent"} <= set(snapshot["scheduler"])

@@ -26,6 +26,7 @@ from orpheus_serve.client import protocols as api_client
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
 from tests.gateway_support import ENGINE_PROCESS, check_openai_error, sim_config, start_server, wait_for
+from tests.pace import MachinePace
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["key-one", "key-two"]
@@ -105,7 +106,9 @@ def test_the_right_key_works_on_every_protocol(server: ServerThread) -> None:
         assert len(voices.voices) == 8
 
 
-def test_full_service_answers_503_with_retry_after_and_resource_exhausted(server: ServerThread) -> None:
+@pytest.mark.core_in_process
+def test_full_service_answers_503_with_retry_after_and_resource_exhausted(server: ServerThread,
+                                                                           pace: MachinePace) -> None:
     base = server.base_url
     with httpx.Client(timeout=30, headers=GOOD) as http, http.stream(
             "POST", f"{base}/v1/audio/speech", json={"input": "Hold the only slot.", "response_format": "pcm",
@@ -125,17 +128,17 @@ def test_full_service_answers_503_with_retry_after_and_resource_exhausted(server
             ws.send(json.dumps({"text": "Me too."}))
             reply = json.loads(ws.recv(timeout=30))
             assert reply["error"]["code"] == "server_busy"
-    wait_for(lambda: _idle(server), 1.0, "slot and connections freed")
+    wait_for(lambda: _idle(server), pace.window(1.0), "slot and connections freed")
 
 
-def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
+def test_connection_limit_covers_all_protocols(server: ServerThread, pace: MachinePace) -> None:
     base = server.base_url
     url = api_client.stream_url(base)
     with contextlib.ExitStack() as sockets:
         for _ in range(3):
             sockets.enter_context(ws_connect(url, additional_headers=GOOD))
         wait_for(lambda: httpx.get(f"{base}/v1/stats", headers=GOOD).json()["gateway"]["open_connections"] == 3,
-                 2.0, "three WebSockets counted")
+                 pace.window(2.0), "three WebSockets counted")
         check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "hi"}, headers=GOOD), 503,
                            "too_many_connections")
         with ws_connect(url, additional_headers=GOOD) as extra:
@@ -149,7 +152,7 @@ def test_connection_limit_covers_all_protocols(server: ServerThread) -> None:
                 list(pb_grpc.SynthesizerStub(channel).Synthesize(
                     pb.SynthesizeRequest(text="hi"), metadata=(("authorization", f"Bearer {KEYS[0]}"),)))
             assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    wait_for(lambda: _idle(server), 2.0, "connections released")
+    wait_for(lambda: _idle(server), pace.window(2.0), "connections released")
     assert httpx.post(f"{base}/v1/audio/speech", json={"input": "hi", "max_tokens": 28},
                       headers=GOOD).status_code == 200
 
@@ -168,6 +171,7 @@ def test_websocket_requests_per_connection_are_capped(server: ServerThread) -> N
         assert closed.value.rcvd.code == 1008
 
 
+@pytest.mark.core_in_process
 def test_not_ready_until_warmed_up(tiny_orpheus: Path) -> None:
     srv = ServerThread(sim_config(tiny_orpheus))
     try:
@@ -193,8 +197,11 @@ def test_not_ready_until_warmed_up(tiny_orpheus: Path) -> None:
         srv.stop(0)
 
 
-def test_graceful_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(tiny_orpheus: Path) -> None:
-    srv = ServerThread(sim_config(tiny_orpheus, **{"server.shutdown_grace_s": 10.0})).start()
+@pytest.mark.core_in_process
+def test_graceful_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(tiny_orpheus: Path,
+                                                                              pace: MachinePace) -> None:
+    # The drain window the stream needs on the reference machine, stretched to this one (tests/pace.py).
+    srv = ServerThread(sim_config(tiny_orpheus, **{"server.shutdown_grace_s": pace.window(10.0)})).start()
     base = srv.base_url
     with httpx.Client(timeout=30) as http, http.stream(
             "POST", f"{base}/v1/audio/speech",
@@ -203,7 +210,7 @@ def test_graceful_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(ti
         received = len(next(body))
         stopper = threading.Thread(target=srv.stop)
         stopper.start()
-        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 503, 5.0, "/ready turns 503")
+        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 503, pace.window(5.0), "/ready turns 503")
         check_openai_error(httpx.post(f"{base}/v1/audio/speech", json={"input": "Too late."}), 503, "unavailable")
         # A stream cut short would end without the chunked terminator and raise here.
         for chunk in body:
@@ -232,14 +239,17 @@ def _read_until(process: subprocess.Popen[str], needle: str, timeout_s: float) -
     raise AssertionError(f"{needle!r} not logged within {timeout_s}s:\n{''.join(lines)}")
 
 
-def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(tiny_orpheus: Path) -> None:
-    grace_s = 15.0
+@pytest.mark.core_in_process
+def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(tiny_orpheus: Path,
+                                                                             pace: MachinePace) -> None:
+    grace_s = pace.window(15.0)  # the drain window, stretched to this machine (tests/pace.py)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p),
            "CUDA_VISIBLE_DEVICES": ""}
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "production_server.py"), "--host", "127.0.0.1", "--port", "0", "--grpc-port",
          "0", "--set", "engine.backend=sim", "--set", "codec.decoder=sim", "--set",
-         f"engine.model_path={tiny_orpheus}", "--set", f"server.shutdown_grace_s={grace_s}",
+         f"engine.model_path={tiny_orpheus}", "--set", f"codec.path={tiny_orpheus.parent / 'tiny-snac'}",
+         "--set", f"server.shutdown_grace_s={grace_s}",
          # Both streams admitted at once (by slots), not one after the other while capacity is measured.
          "--set", "scheduler.admission=slots", "--set", f"server.engine_process={ENGINE_PROCESS}"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
@@ -268,7 +278,7 @@ def test_sigterm_during_streams_lets_them_finish_whole_then_the_process_exits(ti
             signalled, signalled_at = time.monotonic(), time.perf_counter()
             process.send_signal(signal.SIGTERM)
             while httpx.get(f"{base}/ready").status_code != 503:
-                assert time.monotonic() - signalled < 5, "/ready did not turn 503 after SIGTERM"
+                assert time.monotonic() - signalled < pace.window(5.0), "/ready did not turn 503 after SIGTERM"
                 await asyncio.sleep(0.02)
             refused = httpx.post(f"{base}/v1/audio/speech", json={"input": "Too late."})
             check_openai_error(refused, 503, "unavailable")

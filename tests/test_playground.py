@@ -22,6 +22,7 @@ from orpheus_serve.api.http import PLAYGROUND_DIR, WS_KEY_SUBPROTOCOL
 from orpheus_serve.api.launch import ServerThread
 from orpheus_serve.client import protocols as api_client
 from tests.gateway_support import check_openai_error, sim_config, start_server, stats, wait_for
+from tests.pace import MachinePace
 
 KEY = "pg-key/with+odd=chars"  # '/', '+' and '=' cannot appear in a subprotocol: base64url carries them
 GOOD = {"Authorization": f"Bearer {KEY}"}
@@ -121,7 +122,7 @@ def _speak(ws) -> dict:
     return reply
 
 
-def test_websocket_takes_the_api_key_as_a_subprotocol(keyed_server: ServerThread) -> None:
+def test_websocket_takes_the_api_key_as_a_subprotocol(keyed_server: ServerThread, pace: MachinePace) -> None:
     url = api_client.stream_url(keyed_server.base_url)
     refused_before = _ws_outcomes(keyed_server).get("invalid_api_key", 0)
     sessions_before = stats(keyed_server)["scheduler"]["total_sessions"]
@@ -146,7 +147,7 @@ def test_websocket_takes_the_api_key_as_a_subprotocol(keyed_server: ServerThread
         assert info.value.response.status_code == 401
         assert json.loads(info.value.response.body)["error"]["code"] == "invalid_api_key"
 
-    wait_for(lambda: _ws_outcomes(keyed_server).get("invalid_api_key", 0) == refused_before + 3, 2.0,
+    wait_for(lambda: _ws_outcomes(keyed_server).get("invalid_api_key", 0) == refused_before + 3, pace.window(2.0),
              "three refusals counted")
     assert stats(keyed_server)["scheduler"]["total_sessions"] == sessions_before + 3  # only the good ones ran
 

@@ -30,6 +30,7 @@ from orpheus_serve.audio.encoding import decode_audio
 from orpheus_serve.token_format import SAMPLES_PER_FRAME
 from tests.browser_support import ARTIFACTS, CHROMIUM_ARGS, ROOT, Tab, chromium_path, open_tab, sync_playwright
 from tests.gateway_support import sim_config, start_server, stats, tiny_config, wait_for
+from tests.pace import MachinePace
 
 pytestmark = pytest.mark.browser
 
@@ -71,8 +72,8 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def tab(browser: Any, server: ServerThread) -> Iterator[Tab]:
-    tab = open_tab(browser, f"{server.base_url}/")
+def tab(browser: Any, server: ServerThread, pace: MachinePace) -> Iterator[Tab]:
+    tab = open_tab(browser, f"{server.base_url}/", slowness=pace.slowness)
     tab.wait("document.querySelectorAll('#voice option[value]:not([value=\"\"])').length", 20, "voices listed")
     yield tab
     tab.page.context.close()
@@ -219,7 +220,7 @@ def test_speak_streams_audio_through_the_worklet_and_the_server_counts_it(tab: T
 
     # The server counted it, as a WebSocket request that completed.
     wait_for(lambda: stats(server)["gateway"]["requests"]["ws"].get("ok", 0)
-             == before["gateway"]["requests"]["ws"].get("ok", 0) + 1, 5, "request counted")
+             == before["gateway"]["requests"]["ws"].get("ok", 0) + 1, tab.window(5), "request counted")
     after = stats(server)
     assert after["scheduler"]["total_sessions"] > before["scheduler"]["total_sessions"]
     assert after["requests"]["requests_completed"] == before["requests"].get("requests_completed", 0) + 1
@@ -258,10 +259,10 @@ def test_stop_cancels_on_the_server_and_the_audio_stops(tab: Tab, server: Server
 
     # The server's cancelled counters rise, and its slot is free again.
     wait_for(lambda: stats(server)["requests"].get("requests_cancelled", 0)
-             == before["requests"].get("requests_cancelled", 0) + 1, 5, "service counted the cancel")
+             == before["requests"].get("requests_cancelled", 0) + 1, tab.window(5), "service counted the cancel")
     wait_for(lambda: stats(server)["gateway"]["requests"]["ws"].get("cancelled", 0)
-             == before["gateway"]["requests"]["ws"].get("cancelled", 0) + 1, 5, "gateway counted the cancel")
-    wait_for(lambda: stats(server)["scheduler"]["active_sessions"] == 0, 5, "session gone")
+             == before["gateway"]["requests"]["ws"].get("cancelled", 0) + 1, tab.window(5), "gateway counted the cancel")
+    wait_for(lambda: stats(server)["scheduler"]["active_sessions"] == 0, tab.window(5), "session gone")
     # Nothing more arrives on the socket, and nothing more is played.
     settled = tab.snapshot()
     time.sleep(1.0)
@@ -317,7 +318,7 @@ def test_typing_streams_each_sentence_into_one_context_as_it_is_finished(tab: Ta
     # Clear stops the context: the server counts one request, cancelled, for both sentences.
     page.click("#live-clear")
     wait_for(lambda: stats(server)["gateway"]["requests"]["ws"].get("cancelled", 0) == before.get("cancelled", 0) + 1,
-             5, "the context's request counted")
+             tab.window(5), "the context's request counted")
     assert stats(server)["gateway"]["active_streams"]["ws"] == 0
     assert _live_jobs(tab)[0]["state"] == "cancelled"
     assert page.eval_on_selector_all("#live-list li", "items => items.length") == 0
@@ -356,9 +357,10 @@ def test_downloads_the_last_utterance_as_wav_and_any_format_through_rest(tab: Ta
     assert tab.errors == []
 
 
-def test_plays_through_scheduled_buffers_where_there_is_no_audio_worklet(browser: Any, server: ServerThread) -> None:
+def test_plays_through_scheduled_buffers_where_there_is_no_audio_worklet(browser: Any, server: ServerThread,
+                                                                        pace: MachinePace) -> None:
     """Pages served over plain http to another machine get no AudioWorklet; ?player=scheduled is that path."""
-    tab = open_tab(browser, f"{server.base_url}/playground?player=scheduled")
+    tab = open_tab(browser, f"{server.base_url}/playground?player=scheduled", slowness=pace.slowness)
     try:
         tab.wait("document.querySelectorAll('#voice option').length === 8", 20, "voices listed")
         _speak(tab, "Hello there, and welcome.")
@@ -371,8 +373,9 @@ def test_plays_through_scheduled_buffers_where_there_is_no_audio_worklet(browser
         tab.page.context.close()
 
 
-def test_api_key_wrong_one_reads_clearly_and_right_one_works(browser: Any, keyed_server: ServerThread) -> None:
-    tab = open_tab(browser, f"{keyed_server.base_url}/")
+def test_api_key_wrong_one_reads_clearly_and_right_one_works(browser: Any, keyed_server: ServerThread,
+                                                             pace: MachinePace) -> None:
+    tab = open_tab(browser, f"{keyed_server.base_url}/", slowness=pace.slowness)
     page = tab.page
     try:
         # The page and its files are open; the API needs the key, and the page says so.

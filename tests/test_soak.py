@@ -12,7 +12,8 @@ counter balances (scheduler: admitted = finished + cancelled + failed + timed ou
 completed + cancelled + failed + rejected; gateway: per protocol, outcomes = requests sent) and the
 server's RSS grew by less than 50 MB after a warm-up.
 
-CI size by default; `ORPHEUS_SOAK_REQUESTS=5000 pytest -m soak tests/test_soak.py -s` runs the full size.
+600 requests by default (scripts/test.sh's CI lane runs 240, `--all` 600);
+`ORPHEUS_SOAK_REQUESTS=5000 pytest -m soak tests/test_soak.py -s` runs the full size.
 A second, smaller run uses the real stateful SNAC decoder (tiny weights, CPU), whose per-session history
 rows must all be released.
 """

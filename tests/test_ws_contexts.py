@@ -56,6 +56,7 @@ async def receive_until(ws: Any, done: Any, audio: bytearray, messages: list[dic
             return body
 
 
+@pytest.mark.core_in_process
 def test_words_pushed_as_an_llm_writes_them_are_spoken_before_the_reply_ends(server: ServerThread) -> None:
     async def scenario() -> tuple[bytearray, list[dict[str, Any]], list[tuple[float, str]], float]:
         audio = bytearray()
@@ -92,6 +93,7 @@ def test_words_pushed_as_an_llm_writes_them_are_spoken_before_the_reply_ends(ser
     assert all(a["end_s"] == b["start_s"] for a, b in itertools.pairwise(chunks))
 
 
+@pytest.mark.core_in_process
 def test_cancelling_the_running_context_leaves_the_queued_one_untouched(server: ServerThread) -> None:
     other = "The second reply is spoken in full."
 
@@ -135,6 +137,7 @@ def test_cancelling_the_running_context_leaves_the_queued_one_untouched(server: 
     assert settled["kv_cache"]["used_slots"] == 0
 
 
+@pytest.mark.core_in_process
 def test_flush_is_acknowledged_after_its_audio(server: ServerThread) -> None:
     async def scenario() -> tuple[list[dict[str, Any]], list[tuple[float, str]]]:
         messages: list[dict[str, Any]] = []
