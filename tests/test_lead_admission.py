@@ -107,15 +107,18 @@ def test_falling_streams_close_admission_and_back_it_off() -> None:
     play(clock, sessions, 1.5, 1.5, admission, model_limit=40)
     high = admission.limit
     assert high is not None and high >= 40
-    # The pipeline slows to 0.9x real time: admission backs off below what runs (fewer are admitted as streams
+    # The pipeline slows to 0.9x real time. The clients hold almost a second (built at 1.5x): admission
+    # holds while that lead lasts the horizon, then backs off below what runs (fewer are admitted as streams
     # end), by about the measured shortfall, once per window.
-    limits = play(clock, sessions, 1.5, 0.9, admission, model_limit=500)
+    limits = play(clock, sessions, 1.0, 0.9, admission, model_limit=500)
+    assert min(limits) >= 40, min(limits)  # a lead in hand: not yet
+    limits = play(clock, sessions, 5.0, 0.9, admission, model_limit=500)
     assert admission.reason == "lead"
     low = min(limits)
     assert low < 40, limits
     assert low >= int(40 * 0.9 / (1 + MARGIN)) - 1, low
     backs = sum(1 for a, b in itertools.pairwise(limits) if b < a)
-    assert backs <= 1.5 / WINDOW_S + 1
+    assert backs <= 5.0 / WINDOW_S + 1
 
 
 def test_a_few_slow_streams_hold_admission_without_backing_off() -> None:
@@ -178,38 +181,14 @@ def test_a_full_codec_holds_and_backs_off_admission_whatever_the_engine_produces
             assert min(limits) == 20, limits
 
 
-def test_a_stream_with_a_safe_lead_keeps_real_time_at_real_time() -> None:
-    # Produced at real time exactly, a stream whose client holds over LEAD_SAFE_S is not at risk; one holding
-    # 200 ms is (a hiccup empties it).
+def test_a_stream_with_a_lead_in_hand_may_dip_below_real_time() -> None:
+    # Produced at real time exactly, a stream whose client holds a second is not at risk; one holding 200 ms
+    # is (a hiccup empties it). At 0.8x real time, one holding 1.5 s still keeps real time over the horizon.
     clock = FakeClock()
     admission = controller()
-    sessions = streams(clock, 2)
-    for s in sessions:
-        s.playback_end_s = clock() + 0.2
+    sessions = streams(clock, 3)
     sessions[0].playback_end_s = clock() + 1.0
-    play(clock, sessions, 1.0, 1.0, admission, model_limit=2)
+    sessions[2].playback_end_s = clock() + 1.5
+    play(clock, sessions, 1.0, [1.0, 1.0, 0.8], admission, model_limit=3)
     assert admission.last is not None
-    assert (admission.last.keeping, admission.last.falling) == (1, 1)
-
-
-def test_a_gateway_behind_holds_growth_and_clients_running_dry_back_it_off() -> None:
-    # Production keeps up (2x real time), but the API process lags: no more streams. Then clients run dry
-    # (what reaches them, not what is produced, is the limit): back off to the share still keeping real time.
-    clock = FakeClock()
-    admission = controller()
-    sessions = streams(clock, 20)
-    admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
-    for _ in range(round(1.5 / TICK_S)):
-        clock.advance(TICK_S)
-        for s in sessions:
-            s.generated += round(2 * TOKENS_PER_SECOND_REALTIME * TICK_S)
-        admission.update(clock(), sessions, demand=20, model_limit=20, slots=512, gateway_lag_s=0.05)
-    assert admission.limit == 20
-    for s in sessions[:12]:
-        s.stalls += 1
-    clock.advance(TICK_S)
-    for s in sessions:
-        s.generated += round(2 * TOKENS_PER_SECOND_REALTIME * TICK_S)
-    admission.update(clock(), sessions, demand=20, model_limit=20, slots=512)
-    assert admission.last is not None and admission.last.falling == 12
-    assert admission.limit == 10  # 8 of 20 keep real time: halved at most, once a window
+    assert (admission.last.keeping, admission.last.falling) == (2, 1)

@@ -15,25 +15,33 @@ only once it reaches `max_undecoded_frames`, a second of audio later), so past `
 counts as a falling stream would: admission holds, and past `CODEC_BUSY_BACK_OFF` it backs off.
 
 A stream **keeps real time** when its client's buffer is nearly full (it is ahead: flow control holds it),
-or, its client not having run dry since the last reading, when it produces at least `1 + margin` times
-real time (its lead grows), or at least real time with `LEAD_SAFE_S` in hand (a lead that a moment's
-hiccup does not threaten). The others are **falling**. (A small lead is no alarm by itself: audio arrives
-in pushes of two frames, so a stream running just ahead of real time holds anywhere between 0 and 170 ms.)
+or when its lead, carried forward `HORIZON_S` at its production less the margin, stays above
+`LEAD_FLOOR_S`, and its client has not run dry since the last reading:
+
+    lead + (production - (1 + margin)) * HORIZON_S >= LEAD_FLOOR_S
+
+A young stream with 200 ms in hand must be produced about `1 + margin` times real time; one holding a
+second and a half can dip well under real time for a moment (flow control holds a stream back while its
+codec backlog is deep, or its client's buffer full) without being at risk. The others are **falling**.
+(A small lead alone is no alarm: audio arrives in pushes of two frames, so a stream running just ahead of
+real time holds anywhere between 0 and 170 ms.)
 
 The limit (streams admission allows) moves on those readings, never on a prediction:
 
-- **grow** while (almost) no stream falls, `GROW_FALL_SHARE` of them at most, and the streams fill the limit: to what the slowest producer's spare pace
-  says the engine carries (`demand * slowest / (1 + margin)`) and the codec's spare time says it carries
-  (`demand * CODEC_BUSY_HOLD / codec_busy`), at least one more, at most `GROW_FACTOR` at a time and once
-  per `GROW_EVERY_S`, so each rise is measured before the next;
-  and while the API processes keep up (event-loop lag under `grow_lag_s`: past it the host that hands audio
-  to the sockets is the limit, which production does not show);
-- **hold** (admit nobody more) while more fall, up to `fall_share` of them, or while the gateway lags;
-- **back off** when more fall: to `demand * median production / (1 + margin)`, or to the share of streams
-  keeping real time where clients ran dry while production kept up (never below half, at most 95% of
-  demand; for a full codec `demand * CODEC_BUSY_HOLD / codec_busy`), once per `WINDOW_S`, so a back-off is
-  measured before the next. Streams already playing are never cut:
-  fewer are admitted as they end.
+- **grow** while at most `GROW_FALL_SHARE` of the streams fall, the codec is busy under
+  `CODEC_BUSY_HOLD`, the API processes keep up (event-loop lag under `grow_lag_s`: past it the host that
+  hands audio to the sockets is the limit, which production does not show) and the streams fill the
+  limit: to what the median producer's spare pace says the engine carries (`demand * median /
+  (1 + margin)`) and the codec's spare time says it carries (`demand * CODEC_BUSY_HOLD / codec_busy`), at
+  least one more, at most `GROW_FACTOR` at a time and once per `GROW_EVERY_S`, so each rise is measured
+  before the next;
+- **hold** (admit nobody more) while more fall, up to `fall_share` of them, or while the gateway lags or
+  the codec is busy;
+- **back off** when more fall: to `demand * median production / (1 + margin)` where production fell short,
+  else (clients ran dry while production kept up) to the share of streams keeping real time, never below
+  half and at most 95% of demand; for a codec busy past `CODEC_BUSY_BACK_OFF`, to `demand *
+  CODEC_BUSY_HOLD / codec_busy`; once per `WINDOW_S`, so a back-off is measured before the next. Streams
+  already playing are never cut: fewer are admitted as they end.
 
 The limit never drops below the streams keeping real time now: admission never holds back what the
 pipeline is serving well. Before any stream has played long enough to be read (a cold server, or an idle
@@ -58,7 +66,8 @@ GROW_EVERY_S = 0.5
 GROW_FACTOR = 1.25
 AHEAD_SHARE = 0.8  # a client holding this share of max_client_buffer_s is ahead (flow control holds it back)
 MAX_BACK_OFF = 0.95  # a back-off admits at most this share of the streams running
-LEAD_SAFE_S = 0.5  # a stream holding this much, produced at real time at least, keeps real time
+HORIZON_S = 3.0  # a stream's lead is carried forward this far at its production (module docstring)
+LEAD_FLOOR_S = 0.1
 GROW_FALL_SHARE = 0.03  # falling streams (a share of those read) that still let the limit grow
 CODEC_BUSY_HOLD = 0.8  # the codec busy this share of the time admits nobody more
 CODEC_BUSY_BACK_OFF = 0.95  # and this share backs off
@@ -138,7 +147,7 @@ class LeadAdmission:
                 continue
             rate = (session.generated - generated_then) / (now - then) / TOKENS_PER_SECOND_REALTIME
             rates.append(rate)
-            if not stalled and (rate >= 1.0 + self.margin or (rate >= 1.0 and lead >= LEAD_SAFE_S)):
+            if not stalled and lead + (rate - 1.0 - self.margin) * HORIZON_S >= LEAD_FLOOR_S:
                 keeping += 1
             else:
                 falling += 1
@@ -181,8 +190,8 @@ class LeadAdmission:
               or lag_s > self.grow_lag_s):
             limit = min(limit, demand)
         elif demand >= limit and now - self._last_grow >= GROW_EVERY_S:
-            target = limit + max(1, math.ceil(0.1 * limit)) if reading.slowest is None \
-                else math.floor(demand * reading.slowest / (1 + self.margin))
+            target = limit + max(1, math.ceil(0.1 * limit)) if reading.median is None \
+                else math.floor(demand * reading.median / (1 + self.margin))
             if codec > 0:
                 target = min(target, math.floor(demand * CODEC_BUSY_HOLD / codec))
             limit = min(max(target, limit + 1), math.ceil(limit * GROW_FACTOR))
