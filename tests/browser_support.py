@@ -91,12 +91,22 @@ class Tab:
         return self.page.evaluate("window.orpheusPlayground.snapshot()")
 
 
+def _page_error(message: Any) -> bool:
+    """A console error of the page's own doing. Chrome also logs every non-2xx response as one: the server
+    panel polls /ready once a second, and its 503 (warming up, saturated on a loaded machine) is that
+    endpoint's answer, shown on the page, not a failure."""
+    if message.type != "error":
+        return False
+    url = (message.location or {}).get("url", "")
+    return not (url.rstrip("/").endswith("/ready") and "503" in message.text)
+
+
 def open_tab(browser: Browser, url: str, *, viewport: tuple[int, int] = (1280, 900),
              on_page: Callable[[Page], None] | None = None, slowness: float = 1.0) -> Tab:
     context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, accept_downloads=True)
     page = context.new_page()
     tab = Tab(page, slowness=slowness)
-    page.on("console", lambda message: tab.errors.append(message.text) if message.type == "error" else None)
+    page.on("console", lambda message: tab.errors.append(message.text) if _page_error(message) else None)
     page.on("pageerror", lambda error: tab.errors.append(f"uncaught: {error}"))
     if on_page is not None:
         on_page(page)

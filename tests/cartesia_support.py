@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 from websockets.asyncio.client import connect
 
 from orpheus_serve.api.launch import ServerThread
+from tests.pace import MachinePace
 
 REPLY = ("Sure, I can help with that. The weather today is sunny, with a light breeze from the west. "
          "Tomorrow looks a little cooler, so bring a jacket if you go out. Anything else?")
@@ -102,8 +104,14 @@ def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
 # that output may be one step later.
 STEPS_AFTER_SERVER_CANCEL = 3
 # From the client's interruption: the way to the server (the client library's own tasks, the socket, the
-# gateway on a shared CPU) has measured up to 4 steps more.
+# gateway on a shared CPU) has measured up to 4 steps more on the reference machine (tests/pace.py); that part
+# is host time, so a slower machine stretches it (`steps_after_client_cancel`). 7 on the reference machine.
 STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 4
+
+
+def steps_after_client_cancel(pace: MachinePace) -> int:
+    """Engine steps a session may still take after its client's interruption, on this machine."""
+    return STEPS_AFTER_SERVER_CANCEL + math.ceil((STEPS_AFTER_CLIENT_CANCEL - STEPS_AFTER_SERVER_CANCEL) * pace.slowness)
 
 
 def before_cancel(server: ServerThread, protocol: str = "cartesia") -> tuple[int, int]:

@@ -45,16 +45,17 @@ from tests.agent_support import AGENT_INTERRUPTED, AGENT_NEXT, agent_barge_in, r
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
-    STEPS_AFTER_CLIENT_CANCEL,
     STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
     cancelled_streams,
     context_sessions,
     replay,
+    steps_after_client_cancel,
     stop_steps,
 )
 from tests.gateway_support import settled_stats, stats, tiny_config
+from tests.pace import MachinePace
 
 KEPT = "The weather today is sunny, with a light breeze."
 API_KEY = "sk-agent"
@@ -163,7 +164,7 @@ def test_livekit_streams_an_llm_reply_as_it_is_written(server: ServerThread) -> 
     check_word_times(timed, REPLY, len(audio) / 2 / 24000)
 
 
-def test_livekit_barge_in_stops_one_answer_and_the_next_is_untouched(long_server: ServerThread) -> None:
+def test_livekit_barge_in_stops_one_answer_and_the_next_is_untouched(long_server: ServerThread, pace: MachinePace) -> None:
     """LiveKit's plugin answers a barge-in by closing the interrupted stream; its connection pool drops that
     stream's socket when the agent next synthesizes (1.8.9 defers the close to the pool's next `get`). The
     server cancels the context as the socket goes."""
@@ -192,7 +193,7 @@ def test_livekit_barge_in_stops_one_answer_and_the_next_is_untouched(long_server
     print(f"LiveKit barge-in: engine steps after the cancel: {from_next} from the next answer (when the plugin "
           f"drops the socket), {from_server} from the server's cancel")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_next <= STEPS_AFTER_CLIENT_CANCEL, from_next
+    assert from_next <= steps_after_client_cancel(pace), from_next
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     assert_same_audio(kept, alone)
     snapshot = settled_stats(lambda: stats(server))
@@ -315,7 +316,7 @@ def test_pipecat_streams_an_llm_reply_as_it_is_written(server: ServerThread, mod
     assert (pts[-1] - pts[0]) / 1e9 <= len(audio) / 2 / 24000
 
 
-def test_pipecat_barge_in_cancels_one_context_and_the_next_is_untouched(long_server: ServerThread) -> None:
+def test_pipecat_barge_in_cancels_one_context_and_the_next_is_untouched(long_server: ServerThread, pace: MachinePace) -> None:
     server = long_server
     measured: dict[str, Any] = {}
 
@@ -341,7 +342,7 @@ def test_pipecat_barge_in_cancels_one_context_and_the_next_is_untouched(long_ser
     print(f"Pipecat barge-in: engine steps after the cancel: {from_send} from the interruption, {from_server} from "
           "the server's cancel")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= STEPS_AFTER_CLIENT_CANCEL, from_send  # at most one token a step: <= 7 tokens
+    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step: <= 7 tokens
     assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = [f for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame)]

@@ -51,17 +51,18 @@ from tests.agent_support import AGENT_INTERRUPTED, AGENT_NEXT, agent_barge_in, r
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
-    STEPS_AFTER_CLIENT_CANCEL,
     STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
     before_cancel,
     cancelled_streams,
     context_sessions,
     replay,
+    steps_after_client_cancel,
     stop_steps,
 )
 from tests.elevenlabs_support import TlsRelay, self_signed_certificate
 from tests.gateway_support import settled_stats, stats, tiny_config
+from tests.pace import MachinePace
 
 API_KEY = "sk-agent"
 SENTENCE = "Your table for two is booked at seven tonight."
@@ -278,7 +279,7 @@ def test_livekit_stream_word_by_word_and_synthesize(server: ServerThread) -> Non
     idle(server)
 
 
-def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: ServerThread) -> None:
+def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: ServerThread, pace: MachinePace) -> None:
     """LiveKit's AgentSession on the ElevenLabs plugin: the plugin flushes each sentence and answers
     `interrupt()` with one close_context while the LLM is still writing. That close is a barge-in: the turn's
     generation stops within a step of it, the stream is counted cancelled, and the next turn is served."""
@@ -289,7 +290,7 @@ def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: Serv
           f"interruption: {result.steps_from_interrupt}; after the server's close: {result.steps_from_close}")
     assert result.finish_reasons and result.finish_reasons[-1] == "cancelled", result.finish_reasons
     assert result.steps_from_close <= STEPS_AFTER_SERVER_CANCEL, result.steps_from_close
-    assert result.steps_from_interrupt <= STEPS_AFTER_CLIENT_CANCEL, result.steps_from_interrupt
+    assert result.steps_from_interrupt <= steps_after_client_cancel(pace), result.steps_from_interrupt
     assert result.cancelled == 1
     assert result.next_turn and all(e["finish_reason"] in ("stop", "length")
                                     for e in context_sessions(server, AGENT_NEXT[:10]))
@@ -362,7 +363,7 @@ def pipecat_ws(server: ServerThread) -> ElevenLabsTTSService:
 
 
 @pytest.mark.slow  # the longest of these (about 45 s on two shared cores): an answer, a barge-in, another answer
-def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> None:
+def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread, pace: MachinePace) -> None:
     """A whole answer (audio and word timestamps), then one interrupted mid-answer: the context is closed
     without a flush, the server stops its generation, and the next answer on the socket is untouched."""
     server = long_server
@@ -392,7 +393,7 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> Non
     print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
           f"{from_server}")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= STEPS_AFTER_CLIENT_CANCEL, from_send  # at most one token a step: <= 7 tokens
+    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step: <= 7 tokens
     assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
