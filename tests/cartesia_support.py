@@ -104,9 +104,10 @@ def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
 # that output may be one step later.
 STEPS_AFTER_SERVER_CANCEL = 3
 # From the client's interruption: the way to the server (the client library's own tasks, the socket, the
-# gateway on a shared CPU) has measured up to 4 steps more on the reference machine (tests/pace.py); that part
-# is host time, so a slower machine stretches it (`steps_after_client_cancel`). 7 on the reference machine.
-STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 4
+# gateway, all sharing the test process's interpreter with a tiny model stepping every ~10 ms) has measured
+# 0-6 steps more on the reference machine (tests/pace.py); that part is host time, so a slower machine
+# stretches it (`steps_after_client_cancel`). The server's own bound is STEPS_AFTER_SERVER_CANCEL.
+STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 6
 
 
 def steps_after_client_cancel(pace: MachinePace) -> int:

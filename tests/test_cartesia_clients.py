@@ -342,7 +342,7 @@ def test_pipecat_barge_in_cancels_one_context_and_the_next_is_untouched(long_ser
     print(f"Pipecat barge-in: engine steps after the cancel: {from_send} from the interruption, {from_server} from "
           "the server's cancel")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step: <= 7 tokens
+    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step
     assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = [f for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame)]

@@ -393,7 +393,7 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread, pace: 
     print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
           f"{from_server}")
     assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step: <= 7 tokens
+    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step
     assert measured["cancelled"] == 1
     assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
     later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
