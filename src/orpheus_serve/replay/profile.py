@@ -1,4 +1,4 @@
-"""A card's measured costs, read from a GPU kit result folder (scripts/gpu: engine.json, codec.json, serve.json).
+"""A card's measured costs, read from a GPU kit result folder (scripts/gpu: engine.json and codec.json).
 
 What the replay needs, and where each comes from:
 
@@ -20,8 +20,8 @@ What the replay needs, and where each comes from:
   time of every pass (`codec_launch_ms`); where the kit measured a pass's host time (`host_ms_median`, with the
   decoder's CUDA graphs where it ran them) that is used instead. An engine step replayed from a graph launches little; its host part
   (`engine_launch_ms` + `engine_launch_per_row_ms` per row: input copies, the graph replay, per-row
-  bookkeeping) comes from the serve stage's `engine.launch_s` where the kit recorded it, else from the
-  defaults below (estimated, and said so in `sources`).
+  bookkeeping) is estimated (the defaults below, said so in `sources`): the kit measures a graph-replayed
+  step's device time, not its host part.
 - **Contention** on the device: the codec stage ran engine steps and codec passes alone and at once; what
   running both did not hide (`together - max(alone)`) is charged to the engine as a slowdown of its steps
   while a pass runs (`engine_slowdown_under_codec`).
@@ -40,7 +40,7 @@ from typing import Any
 
 from ..token_format import FRAME_SECONDS, TOKENS_PER_FRAME
 
-# Host part of a graph-replayed engine step when the kit did not measure it (serve.json `engine.launch_s`):
+# Host part of a graph-replayed engine step (the kit does not measure it):
 # the H200 run's loop period exceeded the step's device time by 0.5-0.9 ms at batches of 4-17, scheduling and
 # dispatch included, so the launch alone is taken as about half a millisecond plus a few microseconds a row.
 DEFAULT_ENGINE_LAUNCH_MS = 0.5
@@ -148,7 +148,6 @@ def load_profile(folder: str | Path, *, variant: str | None = None) -> CardProfi
     folder = Path(folder)
     engine = _read(folder, "engine.json")
     codec = _read(folder, "codec.json")
-    serve = _read(folder, "serve.json", required=False)
     sources: dict[str, str] = {}
     rows = [r for r in (*engine.get("bench", {}).get("rows", []), *engine.get("variants", {}).get("rows", []))
             if r.get("graphs") and r.get("step_ms")]
@@ -174,13 +173,6 @@ def load_profile(folder: str | Path, *, variant: str | None = None) -> CardProfi
 
     launch_ms, per_row = DEFAULT_ENGINE_LAUNCH_MS, DEFAULT_ENGINE_LAUNCH_PER_ROW_MS
     sources["engine_launch"] = "estimated (the kit did not record engine.launch_s)"
-    end = (serve or {}).get("server_stats_end", {})
-    stats = end.get("engine", {})
-    if stats.get("launch_s") and stats.get("steps"):
-        # Totals give the mean launch at the serve stage's mean batch: keep the per-row default, fit the base.
-        mean_batch = float(end.get("scheduler", {}).get("mean_batch_size") or 0.0)
-        launch_ms = max(0.0, 1000.0 * stats["launch_s"] / stats["steps"] - per_row * mean_batch)
-        sources["engine_launch"] = "serve.json: engine.launch_s per step (per-row part estimated)"
 
     slowdown = 1.0
     overlap = codec.get("overlap") or {}
