@@ -28,6 +28,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from orpheus_serve.benchmarking.runner import ADMISSION_NUMBERS, summarize_admission_inputs  # noqa: E402
 from scripts.gpu import bare_box, kit, report  # noqa: E402
 
 STAGES = ("check", "engine", "codec", "serve")
@@ -227,19 +228,19 @@ def test_report_ingests_the_h200_run_with_its_failed_serve_stage_and_its_edits(t
 
 def test_the_admission_inputs_are_summarized_whichever_fields_the_server_reports() -> None:
     before = [{"capacity_streams": 3, "engine_margin": 0.5, "admission_open": False}]  # a server without the new fields
-    summary = kit.summarize_admission_inputs(before)
+    summary = summarize_admission_inputs(before)
     assert summary["samples"] == 1 and summary["limit_reasons"] is None
     assert summary["numbers"]["capacity_streams"] == {"min": 3, "median": 3, "max": 3}
     assert summary["numbers"]["lead_p5_s"] is None and summary["numbers"]["codec_pass_ms_p99"] is None
     after = [{"capacity_streams": c, "limit_reason": r, "lead_p5_s": lead, "playing_streams": None}
              for c, r, lead in ((10, "lead", 0.8), (40, "model", 1.2), (20, "lead", 1.0), (None, "slots", None))]
-    summary = kit.summarize_admission_inputs(after)
+    summary = summarize_admission_inputs(after)
     assert summary["numbers"]["capacity_streams"] == {"min": 10, "median": 20, "max": 40}
     assert summary["numbers"]["lead_p5_s"] == {"min": 0.8, "median": 1.0, "max": 1.2}
     assert summary["numbers"]["playing_streams"] is None
     assert summary["limit_reasons"] == {"lead": 2, "model": 1, "slots": 1}
-    assert set(summary["numbers"]) == set(report.ADMISSION_NUMBERS)
-    assert kit.summarize_admission_inputs([])["samples"] == 0
+    assert set(summary["numbers"]) == set(ADMISSION_NUMBERS)
+    assert summarize_admission_inputs([])["samples"] == 0
 
 
 def serve_row(concurrency: int, **changes: object) -> dict[str, object]:
@@ -254,10 +255,10 @@ def serve_row(concurrency: int, **changes: object) -> dict[str, object]:
 
 
 def test_the_serve_tables_show_the_admission_inputs_and_the_level_with_admission_fixed() -> None:
-    inputs = kit.summarize_admission_inputs([{"capacity_streams": 120, "limit_reason": "lead", "lead_p5_s": 1.5,
+    inputs = summarize_admission_inputs([{"capacity_streams": 120, "limit_reason": "lead", "lead_p5_s": 1.5,
                                               "loop_period_ms_p50": 12.0, "loop_period_ms_p99": 19.0}] * 3)
     data = {"rows": [serve_row(16, admission_inputs=inputs)], "realtime_held": {"150": 16, "300": 16},
-            "admission_fixed": serve_row(16, admission="slots", admission_inputs=kit.summarize_admission_inputs(
+            "admission_fixed": serve_row(16, admission="slots", admission_inputs=summarize_admission_inputs(
                 [{"limit_reason": "slots"}])),
             "max_tokens": 280, "expected_stream_audio_s": 3.413, "shapes": dataclasses.asdict(kit.REAL)}
     table = report.render_serve(data)
@@ -514,7 +515,7 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
         for length in (row["stream_audio_s_min"], row["stream_audio_s_max"]):  # every utterance at full length
             assert length == pytest.approx(serve["expected_stream_audio_s"], abs=0.01)
         assert row["server_cpu_s_per_audio_s"] > 0
-        assert set(row["admission_inputs"]["numbers"]) == set(report.ADMISSION_NUMBERS)
+        assert set(row["admission_inputs"]["numbers"]) == set(ADMISSION_NUMBERS)
     fixed = serve["admission_fixed"]  # the top level again, on a server with admission fixed at the slots
     assert fixed["admission"] == "slots" and fixed["concurrency"] == 2 and fixed["succeeded"] == fixed["requests"] == 2
     assert "(admission slots)" in serve["table"]

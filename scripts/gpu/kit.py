@@ -57,13 +57,11 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -75,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from scripts.gpu.report import ADMISSION_NUMBERS, markdown_table, render_serve  # noqa: E402
+from scripts.gpu.report import markdown_table, render_serve  # noqa: E402
 
 STAGES = ("check", "engine", "codec", "serve")
 TTFB_TARGETS_MS = (150.0, 300.0)
@@ -931,20 +929,6 @@ def serve_overrides(shapes: Shapes, llama: Path, snac_dir: Path) -> list[str]:
     ]
 
 
-def summarize_admission_inputs(flows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The inputs of the admission decision over one level's samples of `flow` (GET /v1/stats): per number,
-    min / median / max over the samples that reported it (None when none did: a server without the field),
-    and how many samples gave each `limit_reason`."""
-    numbers: dict[str, dict[str, float] | None] = {}
-    for name in ADMISSION_NUMBERS:
-        values = sorted(v for flow in flows if isinstance(v := flow.get(name), int | float)
-                        and not isinstance(v, bool))
-        numbers[name] = {"min": values[0], "median": round(statistics.median(values), 4),
-                         "max": values[-1]} if values else None
-    reasons = Counter(str(reason) for flow in flows if (reason := flow.get("limit_reason")) is not None)
-    return {"samples": len(flows), "numbers": numbers, "limit_reasons": dict(sorted(reasons.items())) or None}
-
-
 def serve_level_worst_s(shapes: Shapes, expected_s: float, queue_timeout_s: float) -> float:
     """The longest a level can take: the ramp, a request's whole wait in the queue, then its utterances
     (at most twice real time), and the level's own set-up."""
@@ -976,12 +960,10 @@ def stage_serve(run: StageRun) -> None:
                         max_tokens=shapes.serve_max_tokens, ramp_s=shapes.serve_ramp_s, text_mix=(1.0, 0.0, 0.0))
 
     def level(target: Target, gpu: GpuSampler, load: LoadSpec) -> dict[str, Any]:
-        """One level, with GPU use and the admission inputs sampled while it runs."""
-        flows: list[dict[str, Any]] = []
+        """One level, with GPU use and the admission inputs (`measure`: admission_inputs) sampled while it runs."""
         with gpu.window() as usage:
-            row = measure(target, load, on_stats=lambda stats: flows.append(stats.get("flow") or {}))
+            row = measure(target, load)
         row["gpu"] = usage
-        row["admission_inputs"] = summarize_admission_inputs(flows)
         return row
 
     def check_lengths(row: dict[str, Any]) -> None:

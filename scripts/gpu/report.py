@@ -50,11 +50,6 @@ RUN_BEGIN = "<!-- gpu-kit:run {} -->"
 RUN_END = "<!-- gpu-kit:run-end {} -->"
 EDITS_FILE = "kit-edits.diff"
 
-# The inputs of the admission decision, from the `flow` section of GET /v1/stats, as the serve stage keeps
-# them per level (min / median / max over the samples; None where the server did not report the field).
-ADMISSION_NUMBERS = ("capacity_streams", "engine_capacity_streams", "codec_capacity_streams", "engine_margin",
-                     "codec_margin", "loop_period_ms_p50", "loop_period_ms_p99", "codec_pass_ms_p50",
-                     "codec_pass_ms_p99", "codec_frames_per_pass", "lead_p5_s", "playing_streams")
 
 
 def cell(value: Any) -> str:

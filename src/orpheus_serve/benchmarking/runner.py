@@ -23,8 +23,10 @@ import itertools
 import json
 import math
 import platform
+import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,20 +135,18 @@ async def _watch_loop_lag(lags: list[float]) -> None:
 
 class _GatewayLagSampler:
     """The server's flow.gateway_lag_ms, and its admission state (sessions generating, the capacity estimate,
-    whether admission is closed), sampled every `every_s` from /v1/stats on a thread of its own; each whole
-    sample also goes to `on_stats` when given (a caller keeping more of it)."""
+    whether admission is closed, and every sample's flow section), sampled every `every_s` from /v1/stats on a
+    thread of its own."""
 
-    def __init__(self, target: Target, every_s: float = 0.5,
-                 on_stats: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, target: Target, every_s: float = 0.5) -> None:
         self._target = target
         self._every_s = every_s
-        self._on_stats = on_stats
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-lag-sampler", daemon=True)
         self.samples: list[float] = []
         self.admitted: list[int] = []  # scheduler.active_sessions: streams generating at once
         self.saturated_capacity: list[int] = []  # flow.capacity_streams while admission was closed
-        self.flows: list[dict[str, Any]] = []  # flow sections while streams were playing (admission's inputs)
+        self.flows: list[dict[str, Any]] = []  # every sample's flow section (the admission decision's inputs)
 
     def __enter__(self) -> _GatewayLagSampler:
         self._thread.start()
@@ -159,53 +159,43 @@ class _GatewayLagSampler:
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
             stats = self._target.stats()
-            if self._on_stats is not None:
-                self._on_stats(stats)
             flow = stats.get("flow", {})
+            self.flows.append(flow)
             lag = flow.get("gateway_lag_ms")
             if lag is not None:
                 self.samples.append(float(lag))
             self.admitted.append(int(stats.get("scheduler", {}).get("active_sessions", 0)))
             if flow.get("capacity_streams") is not None and not flow.get("admission_open", True):
                 self.saturated_capacity.append(int(flow["capacity_streams"]))
-            if flow.get("playing_streams"):
-                self.flows.append(flow)
-
-    def admission(self) -> dict[str, Any] | None:
-        """What admission decided on while streams played: the limit and why, the streams' readings, the loop
-        and codec percentiles (medians of the samples; the worst lead and production)."""
-        flows = self.flows
-        if not flows:
-            return None
-
-        def median(key: str) -> float | None:
-            values = sorted(f[key] for f in flows if f.get(key) is not None)
-            return values[len(values) // 2] if values else None
-
-        reasons: dict[str, int] = {}
-        for f in flows:
-            reasons[f.get("limit_reason", "?")] = reasons.get(f.get("limit_reason", "?"), 0) + 1
-        leads = [f["lead_p5_s"] for f in flows if f.get("lead_p5_s") is not None]
-        slowest = [f["slowest_production"] for f in flows if f.get("slowest_production") is not None]
-        return {
-            "samples": len(flows), "limit_reasons": reasons,
-            **{key: median(key) for key in ("capacity_streams", "engine_capacity_streams", "codec_capacity_streams",
-                                            "engine_margin", "codec_margin", "loop_period_ms_p50",
-                                            "loop_period_ms_p99", "codec_pass_ms_p50", "codec_pass_ms_p99",
-                                            "codec_frames_per_pass", "playing_streams", "keeping_streams",
-                                            "falling_streams", "codec_busy")},
-            "falling_streams_max": max(f.get("falling_streams") or 0 for f in flows),
-            "lead_p5_s_min": min(leads, default=None), "slowest_production_min": min(slowest, default=None),
-        }
 
 
-def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None,
-            on_stats: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """One load level: client-side summary plus what the server says it spent. `on_stats` gets every
-    /v1/stats sample taken during the level (every 0.5 s)."""
+# The inputs of the admission decision, from the `flow` section of GET /v1/stats (ARCHITECTURE §5a).
+ADMISSION_NUMBERS = ("capacity_streams", "engine_capacity_streams", "codec_capacity_streams", "engine_margin",
+                     "codec_margin", "loop_period_ms_p50", "loop_period_ms_p99", "codec_pass_ms_p50",
+                     "codec_pass_ms_p99", "codec_frames_per_pass", "lead_p5_s", "playing_streams",
+                     "keeping_streams", "falling_streams", "slowest_production", "codec_busy")
+
+
+def summarize_admission_inputs(flows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The inputs of the admission decision over one level's samples of `flow` (GET /v1/stats): per number,
+    min / median / max over the samples that reported it (None when none did: a server without the field),
+    and how many samples gave each `limit_reason`."""
+    numbers: dict[str, dict[str, float] | None] = {}
+    for name in ADMISSION_NUMBERS:
+        values = sorted(v for flow in flows if isinstance(v := flow.get(name), int | float)
+                        and not isinstance(v, bool))
+        numbers[name] = {"min": values[0], "median": round(statistics.median(values), 4),
+                         "max": values[-1]} if values else None
+    reasons = Counter(str(reason) for flow in flows if (reason := flow.get("limit_reason")) is not None)
+    return {"samples": len(flows), "numbers": numbers, "limit_reasons": dict(sorted(reasons.items())) or None}
+
+
+def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """One load level: client-side summary plus what the server says it spent, and the inputs of its admission
+    decision sampled every 0.5 s while the level ran (`admission_inputs`)."""
     before = target.stats()
     client_lags: list[float] = []
-    with _GatewayLagSampler(target, on_stats=on_stats) as gateway:
+    with _GatewayLagSampler(target) as gateway:
         results, wall = asyncio.run(run_load(target, spec, progress=progress, lags=client_lags))
     after = target.stats()
     row: dict[str, Any] = {"concurrency": spec.concurrency, "protocol": spec.protocol, **summarize(results, wall)}
@@ -220,7 +210,7 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     row["admitted_peak"] = max(gateway.admitted, default=None)
     row["capacity_at_saturation"] = (sorted(gateway.saturated_capacity)[len(gateway.saturated_capacity) // 2]
                                      if gateway.saturated_capacity else None)
-    row["admission"] = gateway.admission()
+    row["admission_inputs"] = summarize_admission_inputs(gateway.flows)
     row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))
     row["client_loop_lag_ms_max"] = _ms(max(client_lags, default=None))
     cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"]
