@@ -154,6 +154,35 @@ def time_passes(decoder: StatefulDecoder, batch: int, passes: int, rng: np.rando
     return times
 
 
+def time_mixed_passes(decoder: StatefulDecoder, batch: int, passes: int, rng: np.random.Generator, tag: str,
+                      sync: Callable[[], None] = lambda: None) -> PassTimes:
+    """`passes` passes as a server makes them at steady state: `batch` - 2 streaming sessions with PUSH_FRAMES new
+    frames each, one session's first push (lookahead_frames) and one session's final push (1 frame, then the flush).
+    Even steps take such a pass in three steps, ragged ones (`ragged=True`) in one."""
+    if batch < 3:
+        raise ValueError("a mixed pass needs batch >= 3")
+
+    def frames(n: int) -> np.ndarray:
+        return rng.integers(0, 4096, size=(n, TOKENS_PER_FRAME), dtype=np.int64)
+
+    streaming = [(tag, b) for b in range(batch - 2)]
+    lookahead = decoder.lookahead_frames
+    decoder.decode([CodecPush(key, frames(lookahead)) for key in [*streaming, (tag, "new", 0)]])
+    times = PassTimes([], [])
+    for i in range(passes):
+        pushes = [CodecPush(key, frames(PUSH_FRAMES)) for key in streaming]
+        pushes += [CodecPush((tag, "new", i + 1), frames(lookahead)), CodecPush((tag, "new", i), frames(1), final=True)]
+        sync()
+        started, host_started = time.perf_counter(), time.thread_time()
+        decoder.decode(pushes)
+        times.host_s.append(time.thread_time() - host_started)
+        sync()
+        times.wall_s.append(time.perf_counter() - started)
+    for key in [*streaming, (tag, "new", passes)]:
+        decoder.close(key)
+    return times
+
+
 def ops_per_pass(decoder: StatefulDecoder, batch: int, rng: np.random.Generator) -> int:
     """Torch operators one steady-state pass dispatches from Python (a replayed graph's layers are not among them)."""
     from torch.utils._python_dispatch import TorchDispatchMode

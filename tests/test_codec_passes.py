@@ -70,7 +70,7 @@ def test_streaming_sessions_bring_one_step_each_and_every_frame_is_decoded_once(
         even = decoder.calls[1]
         # One step of two frames for the five sessions with two or more; the one with a single frame waits.
         assert even == {"s0": 2, "s1": 2, "s2": 2, "s3": 2, "s5": 2}, even
-        assert len(step_schedule(list(even.values()), decoder.step_frames, 64)) == 1
+        assert len(step_schedule(list(even.values()), decoder.step_frames, 64)) == 1  # even steps: one
         # The rest, and the final pushes: every frame decoded once, in order, equal to the one-shot decode.
         worker.submit_many([CodecPush(k, frames[k][3 + n :], final=True) for k, n in sizes.items()])
         assert finals.wait(timeout=60)
@@ -116,3 +116,41 @@ def test_a_pass_waits_for_a_fuller_batch_unless_a_client_runs_short(snac) -> Non
         assert decoder.calls[2] == {"w0": 2}
     finally:
         worker.stop(timeout_s=30, drain=False)
+
+
+def test_a_ragged_decoders_final_push_brings_what_fits_one_step_with_its_flush(snac) -> None:
+    """Ragged steps (codec.ragged_steps): first pushes of 3 frames, streaming ones of 2 and final flushes share
+    one step of 4; a final push of 3 frames would be 3 + 3 (two steps), so its first 2 frames go as a streaming
+    push and the last one with the flush in the next pass. Every frame once, equal to the one-shot decode."""
+    rng = np.random.default_rng(9)
+    keys = ["a", "b", "c"]
+    frames = {k: rng.integers(0, P.CODEBOOK_SIZE, size=(8, 7), dtype=np.int64) for k in keys}
+    audio: dict[str, list[np.ndarray]] = defaultdict(list)
+    results = threading.Semaphore(0)
+    decoder = RecordingDecoder(snac, max_batch=64, noise=False, ragged=True)
+    decoder.calls = []
+    worker = CodecWorker(decoder, lambda r: audio[r.key].append(r.pcm) or results.release(),
+                         held_audio_s=lambda ks: [1.0] * len(ks))
+    worker.submit_many([CodecPush(k, frames[k][:3]) for k in keys])
+    worker.start()
+    try:
+        for _ in keys:
+            assert results.acquire(timeout=60)
+        # a: a final push of 3 frames; b and c stream 2 each.
+        worker.submit_many([CodecPush("a", frames["a"][3:6], final=True),
+                            *(CodecPush(k, frames[k][3:5]) for k in ("b", "c"))])
+        for _ in keys:
+            assert results.acquire(timeout=60)
+        assert decoder.calls[1] == {"a": 2, "b": 2, "c": 2}  # a's last frame waits with its flush
+        assert results.acquire(timeout=60)
+        assert decoder.calls[2] == {"a": 1 + decoder.lookahead_frames}
+        worker.submit_many([CodecPush(k, frames[k][5:8], final=True) for k in ("b", "c")])
+        for _ in range(4):
+            assert results.acquire(timeout=60)
+    finally:
+        assert worker.stop(timeout_s=30)
+    # Every call is one ragged step of at most 4 frames.
+    assert all(len(step_schedule(list(c.values()), decoder.step_frames, 64, ragged=True)) == 1
+               for c in decoder.calls), decoder.calls
+    for k, whole in (("a", frames["a"][:6]), ("b", frames["b"]), ("c", frames["c"])):
+        np.testing.assert_allclose(np.concatenate(audio[k]), decode_offline(snac, whole), atol=1e-4)

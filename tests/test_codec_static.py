@@ -13,7 +13,7 @@ import torch
 from snac.layers import NoiseBlock
 
 from orpheus_serve.codec import build_decoder
-from orpheus_serve.codec.base import CodecPush
+from orpheus_serve.codec.base import CodecPush, step_schedule
 from orpheus_serve.codec.stateful import StatefulDecoder
 from orpheus_serve.config import CodecConfig
 from orpheus_serve.engines import vram_budget
@@ -170,13 +170,14 @@ def no_tf32() -> Iterator[None]:
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_graph_replay_equals_eager(model, dtype: torch.dtype) -> None:
+def test_cuda_graph_replay_equals_eager(model, dtype: torch.dtype, ragged: bool) -> None:
     gpu_model = copy.deepcopy(model).to(device="cuda", dtype=dtype)
-    graphs = StatefulDecoder(gpu_model, max_batch=4, cuda_graphs=True)
+    graphs = StatefulDecoder(gpu_model, max_batch=4, cuda_graphs=True, ragged=ragged)
     assert graphs.graph_count == 3 * 3 * 2  # buckets 1, 2, 4 x frames 1, 2, 4 x edge masks or not
-    eager = StatefulDecoder(gpu_model, max_batch=4, static=True)
-    dynamic = StatefulDecoder(gpu_model, max_batch=4)
+    eager = StatefulDecoder(gpu_model, max_batch=4, static=True, ragged=ragged)
+    dynamic = StatefulDecoder(gpu_model, max_batch=4, ragged=ragged)
     with torch.cuda.stream(torch.cuda.Stream()):  # replayed on another stream than the capture's, as the worker does
         replayed, _ = run_schedule(graphs, seed=1)
     (eager_audio, _), (dynamic_audio, _) = run_schedule(eager, seed=1), run_schedule(dynamic, seed=1)
@@ -201,3 +202,38 @@ def test_cuda_graphs_with_seeded_noise_repeat_and_differ_by_seed(model) -> None:
     first, again, other = noisy(7), noisy(7), noisy(8)
     assert np.array_equal(first, again) and not np.array_equal(first, other)
     assert np.all(np.isfinite(first))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_ragged_steps_match_the_one_shot_decode_in_one_step_per_call(model, static: bool) -> None:
+    """A ragged decoder takes a call's pushes of unequal lengths (first, streaming and final pushes, and the
+    final flush) in one step where they fit the largest step size, and every session's audio is still the
+    one-shot decode's: a row's padding reaches neither its audio nor its state."""
+    decoder = StatefulDecoder(model, max_batch=8, static=static, ragged=True)
+    even = StatefulDecoder(model, max_batch=8, static=static)
+    steps: list[int] = []
+    forward = decoder._forward
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        steps.append(args[3])
+        return forward(*args, **kwargs)
+
+    decoder._forward = counted  # type: ignore[method-assign]
+    audio, finished = run_schedule(decoder, seed=3)
+    (even_audio, _) = run_schedule(even, seed=3)
+    assert len([frames for frames in finished.values() if len(frames)]) >= 4
+    for key, frames in finished.items():
+        whole = np.concatenate(audio[key])
+        assert whole.shape == (2048 * len(frames),)
+        if len(frames):
+            assert snr_db(one_shot(model, frames), whole) >= 100, key
+        # Push by push, the same audio as even steps give (each push's final samples, nothing early or late).
+        assert [len(piece) for piece in audio[key]] == [len(piece) for piece in even_audio[key]], key
+    # Pushes of 0-4 frames, finals of n + 3: the schedule's steps, and fewer than even steps take (19 here).
+    counts = [[len(p.frames) + (decoder.lookahead_frames if p.final else 0) for p in pushes]
+              for _, pushes in mixed_schedule(3)]
+    assert len(steps) == sum(len(step_schedule(c, decoder.step_frames, 8, ragged=True)) for c in counts) == 12
+    assert sum(len(step_schedule(c, decoder.step_frames, 8)) for c in counts) == 19
+    assert decoder.active_sessions == 0
+    if static:
+        assert not decoder._pool[decoder._zero_row].any()

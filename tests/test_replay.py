@@ -156,23 +156,26 @@ def test_the_sim_engine_takes_the_cards_step_time() -> None:
     assert wall >= expected
 
 
-def test_the_sim_codec_takes_the_stateful_decoders_steps() -> None:
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_sim_codec_takes_the_stateful_decoders_steps(ragged: bool) -> None:
     card = ModelledCard(hand_profile(codec_launch_ms=1.0))
     passes: list[int] = []
     replayed = card.codec_pass
     card.codec_pass = lambda frames: passes.append(frames) or replayed(frames)  # type: ignore[method-assign]
-    decoder = SimDecoder(card=card, max_batch=64)
+    decoder = SimDecoder(card=card, max_batch=64, ragged=ragged)
     assert decoder.lookahead_frames == 3  # the stateful decoder's, so the first push waits as it does
     frames = np.zeros((4, 7), dtype=np.int64)
     # Four sessions of two frames: one forward step of 8 frames.
     results = decoder.decode([CodecPush(("a", i), frames[:2]) for i in range(4)])
     assert passes == [8] and [r.pcm.size for r in results] == [2 * 2048] * 4
-    # One frame and four: steps of 1 (both), 2 and 1 (the longer alone), as the stateful decoder runs them.
+    # One frame and four: even steps of 1 (both), 2 and 1 (the longer alone), as the stateful decoder runs
+    # them; ragged, one step of 4 frames for both rows (the shorter one's padding computed too).
     passes.clear()
     decoder.decode([CodecPush(("b", 0), frames[:1]), CodecPush(("b", 1), frames[:4])])
-    assert passes == [2, 2, 1]
-    assert [n for _, n in step_schedule([1, 4], STATEFUL_STEP_FRAMES, 64)] == [1, 2, 1]
-    # A final push flushes the lookahead: 2 + 3 frames.
+    assert passes == ([8] if ragged else [2, 2, 1])
+    planned = step_schedule([1, 4], STATEFUL_STEP_FRAMES, 64, ragged=ragged)
+    assert [(s.frames, s.advances) for s in planned] == ([(4, [1, 4])] if ragged else [(1, [1, 1]), (2, [2]), (1, [1])])
+    # A final push flushes the lookahead: 2 + 3 frames, in a step of 4 and one of 1 either way.
     passes.clear()
     decoder.decode([CodecPush(("c", 0), frames[:2], final=True)])
     assert passes == [4, 1]

@@ -628,7 +628,7 @@ def stage_codec(run: StageRun) -> None:
     from orpheus_serve.codec.loader import load_snac
     from orpheus_serve.codec.stateful import StatefulDecoder
     from orpheus_serve.token_format import CODEBOOK_SIZE, FRAME_SECONDS, TOKENS_PER_FRAME
-    from scripts.bench_codec_stateful import PUSH_FRAMES, time_passes
+    from scripts.bench_codec_stateful import PUSH_FRAMES, time_mixed_passes, time_passes
 
     shapes = run.shapes
     llama, snac_dir = ensure_models(run)
@@ -686,6 +686,13 @@ def stage_codec(run: StageRun) -> None:
                  "four 1-frame steps: ms / pass", "host ms"],
                 [[r["batch"], r["steps_1_2_4_ms"], r["steps_1_2_4_host_ms"], r["steps_1_ms"], r["steps_1_host_ms"]]
                  for r in per_replay])
+        if mixed := run.data.get("mixed_passes"):
+            run.table += "\n\n" + markdown_table(
+                ["mixed passes (streaming 2 frames, one first push, one final), batch", "even steps: ms / pass",
+                 "host ms", "ragged steps: ms / pass", "host ms"],
+                [[r["batch"], r["even_ms"], r["even_host_ms"], r["ragged_ms"], r["ragged_host_ms"]] for r in mixed])
+            run.table += ("\n\nEven steps take such a pass in three steps (2, 1, then 1 for the final's flush), ragged "
+                          "ones (`codec.ragged_steps`, the server's default on CUDA) in one of 4 frames.")
         if overlap := run.data.get("overlap"):
             run.table += "\n\n" + markdown_table(
                 ["overlap at batch", "engine steps", "engine alone s", "codec alone s", "both at once s", "overlap"],
@@ -750,10 +757,26 @@ def stage_codec(run: StageRun) -> None:
                     cells[f"{name}_host_ms"] = round(median_p90(times.host_s)[0] * 1e3, 3)
                 per_replay.append({"batch": batch, **cells})
             del one_frame
+            # A server's passes mix first, streaming and final pushes: even steps against ragged ones (stateful.py).
+            ragged = StatefulDecoder(model, max_batch=max_batch, noise=False, static=True, cuda_graphs=cuda,
+                                     ragged=True)
+            mixed: list[dict[str, Any]] = []
+            run.data["mixed_passes"] = mixed
+            for batch in sorted({3, max(3, min(32, max_batch))}):
+                cells = {}
+                for name, decoder in (("even", graphs), ("ragged", ragged)):
+                    with on_stream():
+                        time_mixed_passes(decoder, batch, 1, rng, f"mw{batch}", sync)
+                        times = time_mixed_passes(decoder, batch, max(2, shapes.codec_passes // 2), rng, f"m{batch}",
+                                                  sync)
+                    cells[f"{name}_ms"] = round(median_p90(times.wall_s)[0] * 1e3, 3)
+                    cells[f"{name}_host_ms"] = round(median_p90(times.host_s)[0] * 1e3, 3)
+                mixed.append({"batch": batch, **cells})
+            del ragged
             render()
             run.save()
         else:
-            run.problem("frames per replay not measured (deadline)")
+            run.problem("frames per replay and mixed passes not measured (deadline)")
         fidelity = _half_precision_snr(snac_dir, shapes.device, frames(48))
         run.data["fp16_vs_fp32"] = fidelity
         if fidelity["snr_db"] < fidelity["expected_min_db"]:

@@ -67,9 +67,11 @@ def build_decoder(codec_cfg: CodecConfig, model: SNAC) -> StreamingDecoder:
 
         # Graphs (and the static steps they replay) on CUDA only: on a CPU, padding a step to its bucket
         # would only add compute, and there is no launch cost to save.
-        graphs = codec_cfg.cuda_graphs and next(model.parameters()).device.type == "cuda"
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        graphs = codec_cfg.cuda_graphs and on_cuda
+        ragged = codec_cfg.ragged_steps == "on" or (codec_cfg.ragged_steps == "auto" and on_cuda)
         return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise, seed=codec_cfg.seed,
-                               cuda_graphs=graphs)
+                               cuda_graphs=graphs, ragged=ragged)
     if codec_cfg.decoder == "reference":
         from .reference import ReferenceWindowDecoder
 

@@ -63,20 +63,43 @@ class StreamingDecoder(Protocol):
 STATEFUL_STEP_FRAMES = (1, 2, 4)  # the stateful decoder's step shapes (frames per row per forward step)
 
 
-def step_schedule(frame_counts: Sequence[int], step_frames: Sequence[int],
-                  max_batch: int) -> list[tuple[list[int], int]]:
-    """The forward steps one decode call takes for pushes of `frame_counts` frames: (the pushes in the step, by
-    index, at most `max_batch`; the frames each advances). Every row of a step advances by the same number of
-    frames, the largest of `step_frames` that the shortest push still pending allows, so pushes of unequal
-    lengths cost several steps (pushes of 1 and 4 frames: steps of 1, 2 and 1 frames). Each step is one launch of every
-    layer: the replay of a card (replay/) charges a pass per step, from this same schedule."""
+@dataclass(frozen=True, slots=True)
+class CodecStep:
+    """One forward step of a decode call: which pushes it takes and how far each advances."""
+
+    rows: list[int]  # the pushes in the step, by index (at most max_batch)
+    frames: int  # the step's shape: frames per row, one of the decoder's step sizes
+    advances: list[int]  # frames each row advances: all `frames`, or fewer for a row of a ragged step
+
+
+def step_schedule(frame_counts: Sequence[int], step_frames: Sequence[int], max_batch: int, *,
+                  ragged: bool = False) -> list[CodecStep]:
+    """The forward steps one decode call takes for pushes of `frame_counts` frames.
+
+    Even steps (`ragged=False`): every row of a step advances by the same number of frames, the largest of
+    `step_frames` that the shortest push still pending allows, so pushes of unequal lengths cost several steps
+    (pushes of 1 and 4 frames: steps of 1, 2 and 1 frames).
+
+    Ragged steps: a step takes the smallest size that holds the longest push still pending (else the largest
+    size), and each row advances by what it has, up to that size; the rest of a shorter row is padding that
+    no output and no state keeps (stateful.py). Pushes of 1 and 4 frames: one step of 4. A step computes its
+    padding, so ragged steps pay where a step is launch-bound (a GPU), not where it is compute-bound (a CPU).
+
+    Each step is one launch of every layer: the replay of a card (replay/) charges a pass per step, from this
+    same schedule."""
     sizes = sorted(set(step_frames), reverse=True)
     done = [0] * len(frame_counts)
-    steps: list[tuple[list[int], int]] = []
+    steps: list[CodecStep] = []
     while active := [i for i, n in enumerate(frame_counts) if done[i] < n]:
-        least = min(frame_counts[i] - done[i] for i in active)
-        n_frames = next(n for n in sizes if n <= least)
-        steps.extend((active[start : start + max_batch], n_frames) for start in range(0, len(active), max_batch))
-        for i in active:
-            done[i] += n_frames
+        left = [frame_counts[i] - done[i] for i in active]
+        if ragged:
+            n_frames = min((n for n in sizes if n >= max(left)), default=sizes[0])
+            advances = [min(n, n_frames) for n in left]
+        else:
+            n_frames = next(n for n in sizes if n <= min(left))
+            advances = [n_frames] * len(active)
+        for start in range(0, len(active), max_batch):
+            steps.append(CodecStep(active[start : start + max_batch], n_frames, advances[start : start + max_batch]))
+        for i, n in zip(active, advances, strict=True):
+            done[i] += n
     return steps

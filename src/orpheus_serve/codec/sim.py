@@ -12,9 +12,10 @@ concurrency on a CPU. Selected with `codec.decoder: sim`.
 
 With a `ModelledCard` (replay/: a measured card, `engine.sim.profile`) it stands in for the card's stateful
 decoder: the same lookahead (the first push waits for it, the final push flushes it) and the same forward
-steps per call (`base.step_schedule`: pushes of unequal lengths take several), each step costing what the
-card's codec stage measured, its launch time spent on the interpreter, on the device timeline it shares
-with the sim engine.
+steps per call (`base.step_schedule`: even steps, where pushes of unequal lengths take several, or ragged
+ones, as `codec.ragged_steps` runs them on CUDA), each step costing what the card's codec stage measured for
+its rows times its frames (padding included), its launch time spent on the interpreter, on the device
+timeline it shares with the sim engine.
 
 Basis of the default cost: ARCHITECTURE §4 counts 9.7 GFLOP per second of audio
 (~0.83 GFLOP per frame); at a few TFLOP/s of effective FP16 throughput for
@@ -38,12 +39,13 @@ class SimDecoder:
     sample_rate = SAMPLE_RATE
 
     def __init__(self, *, base_ms: float = 1.5, per_frame_ms: float = 0.25, realtime: bool = True,
-                 card: ModelledCard | None = None, max_batch: int = 64) -> None:
+                 card: ModelledCard | None = None, max_batch: int = 64, ragged: bool = True) -> None:
         self.base_ms = base_ms
         self.per_frame_ms = per_frame_ms
         self.realtime = realtime
         self.card = card if realtime else None
         self.max_batch = max_batch
+        self.ragged = ragged and self.card is not None
         self.lookahead_frames = 0 if self.card is None else self.card.profile.codec_lookahead_frames
         # Replaying the stateful decoder, its step shapes (the codec worker evens its passes to them).
         self.step_frames = None if self.card is None else STATEFUL_STEP_FRAMES
@@ -53,8 +55,8 @@ class SimDecoder:
         frames = sum(len(p.frames) for p in pushes)
         if self.card is not None:
             counts = [len(p.frames) + (self.lookahead_frames if p.final else 0) for p in pushes]
-            for group, n_frames in step_schedule(counts, STATEFUL_STEP_FRAMES, self.max_batch):
-                self.card.codec_pass(len(group) * n_frames)
+            for step in step_schedule(counts, STATEFUL_STEP_FRAMES, self.max_batch, ragged=self.ragged):
+                self.card.codec_pass(len(step.rows) * step.frames)
             return [CodecResult(p.key, self._tone(p.frames), p.final) for p in pushes]
         results = [CodecResult(p.key, self._tone(p.frames), p.final) for p in pushes]
         if self.realtime and frames:

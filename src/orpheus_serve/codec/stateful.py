@@ -82,6 +82,15 @@ pass of 4 frames per session, static steps run eagerly, one thread: batch 1,
 557, the narrower steps staying in cache). A 3-frame step is
 2 + 1, as on the dynamic path: the step scheduling (`_run`) is shared by both
 paths, so both decode the same steps.
+Ragged steps (`ragged=True`, the server's choice on CUDA: `codec.ragged_steps`). A call's pushes of
+unequal lengths share one step (`base.step_schedule(ragged=True)`): the step takes the smallest size that
+holds the longest push, a shorter row gets code-0 padding after its frames, and its per-row advance (a [B]
+tensor among the step's inputs, so graphs capture it) says how many frames are real. Every layer is causal
+in its stream's own time: its state is the inputs before the step, and output sample t needs inputs up to
+t only. So a row's first advance·spf samples at every layer are exactly its real frames' (its audio), and
+every history slot, and every residual's pending skip samples, is gathered from the window just before
+sample advance·spf instead of taken from its end: the padding reaches neither audio nor state.
+
 Edge masks are a graph variant of their own because they cost a masked copy
 of the input of every windowed layer, and only steps that touch an
 utterance's first or last frames need them.
@@ -127,11 +136,31 @@ class _StepContext:
     outside: list[torch.Tensor] | None
     noise: bool
     generator: torch.Generator | None = None  # the noise's, when seeded
+    # Ragged steps: [B] frames each row advances (the rest of its step is padding); None: every row advances
+    # the whole step.
+    advance: torch.Tensor | None = None
 
     def zero_outside(self, mask_index: int, x: torch.Tensor) -> torch.Tensor:
         if self.outside is None:
             return x
         return x.masked_fill(self.outside[mask_index], 0.0)
+
+    def window(self, hist: torch.Tensor, x: torch.Tensor, samples_per_frame: int) -> torch.Tensor:
+        """[hist, x] along time, and hist <- the samples that precede the next step's input: the input window of
+        a conv that needs hist.shape[-1] samples of history. Every layer is causal in the streams' own time
+        (module doc), so a row that advances a frames of the step's n has its valid samples first and keeps,
+        as history, the window's samples just before its sample a·spf; a full step keeps the last ones."""
+        keep = hist.shape[-1]
+        if keep == 0:
+            return x
+        window = torch.cat([hist, x], dim=-1)  # [B, C, keep + T]
+        if self.advance is None:
+            hist.copy_(window[..., -keep:])
+        else:
+            start = self.advance * samples_per_frame  # [B]: where each row's next history begins
+            index = start[:, None] + torch.arange(keep, device=x.device)  # [B, keep]
+            hist.copy_(window.gather(-1, index[:, None, :].expand(-1, window.shape[1], -1)))
+        return window
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,16 +169,6 @@ class _EdgeSpec:
 
     delay: int  # stream sample index - delay = time of that sample in the one-shot decode
     samples_per_frame: int  # resolution of the stream
-
-
-def _prepend_history(hist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[hist, x] along time, and hist <- its last samples: the input window of a conv that needs hist.shape[-1]."""
-    keep = hist.shape[-1]
-    if keep == 0:
-        return x
-    window = torch.cat([hist, x], dim=-1)  # [B, C, keep + T]
-    hist.copy_(window[..., -keep:])
-    return window
 
 
 class _Op:
@@ -212,10 +231,11 @@ class _Conv(_Op):
     groups: int
     state_index: int  # [B, C_in, (k - 1) * dilation]
     mask_index: int
+    samples_per_frame: int  # of its input stream
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         x = ctx.zero_outside(self.mask_index, x)
-        window = _prepend_history(ctx.states[self.state_index], x)  # [B, C_in, history + T]
+        window = ctx.window(ctx.states[self.state_index], x, self.samples_per_frame)  # [B, C_in, history + T]
         return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)  # [B, C_out, T]
 
 
@@ -233,11 +253,12 @@ class _ConvTranspose(_Op):
     stride: int
     state_index: int  # [B, C_in, m - 1]
     mask_index: int
+    samples_per_frame: int  # of its input stream
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         x = ctx.zero_outside(self.mask_index, x)
         batch, _, steps = x.shape
-        window = _prepend_history(ctx.states[self.state_index], x)  # [B, C_in, m - 1 + T]
+        window = ctx.window(ctx.states[self.state_index], x, self.samples_per_frame)  # [B, C_in, m - 1 + T]
         y = F.conv1d(window, self.weight, self.bias)  # [B, C_out * s, T]
         y = y.view(batch, -1, self.stride, steps).transpose(2, 3)  # [B, C_out, T, s]
         return y.reshape(batch, -1, steps * self.stride)  # [B, C_out, T * s]
@@ -263,6 +284,7 @@ class _Residual(_Op):
     inner: list[_Op]
     delay: int
     state_index: int  # [B, C, delay]: skip-path samples not yet matched by inner output
+    samples_per_frame: int  # of its stream
 
     def step(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         y = x
@@ -274,9 +296,9 @@ class _Residual(_Op):
             return y.add_(x)
         pending = ctx.states[self.state_index]  # [B, C, delay]
         steps = x.shape[-1]
-        if steps < self.delay:
-            skip = torch.cat([pending, x], dim=-1)  # [B, C, delay + T]
-            pending.copy_(skip[..., -self.delay :])
+        if steps < self.delay or ctx.advance is not None:
+            # [pending, x] (pending <- what follows each row's advance, as a conv's history) and its first samples.
+            skip = ctx.window(pending, x, self.samples_per_frame)  # [B, C, delay + T]
             return y.add_(skip[..., :steps])
         # The skip input is [pending, x] shifted by `delay`: add it in place, no concatenated copy.
         y[..., : self.delay] += pending
@@ -329,7 +351,7 @@ class _Builder:
                 raise ValueError("residual unit changes its stream's rate or width; cannot add the skip path")
             skip_delay = inner_delay - delay
             slot = self.state_slot(channels, skip_delay) if skip_delay else -1
-            ops.append(_Residual(inner, skip_delay, slot))
+            ops.append(_Residual(inner, skip_delay, slot, spf))
             delay = inner_delay
         elif isinstance(module, nn.ConvTranspose1d):
             (k,), (s,), (p,), (out_pad,) = module.kernel_size, module.stride, module.padding, module.output_padding
@@ -338,7 +360,7 @@ class _Builder:
             mask = self.edge(delay, spf)
             slot = self.state_slot(module.in_channels, k // s - 1)
             weight, bias = _as_causal_conv(module)
-            ops.append(_ConvTranspose(weight, bias, s, slot, mask))
+            ops.append(_ConvTranspose(weight, bias, s, slot, mask, spf))
             delay, spf, channels = delay * s + p, spf * s, module.out_channels
         elif isinstance(module, nn.Conv1d):
             (k,), (d,), (stride,) = module.kernel_size, module.dilation, module.stride
@@ -351,7 +373,7 @@ class _Builder:
             else:
                 mask = self.edge(delay, spf)
                 slot = self.state_slot(module.in_channels, (k - 1) * d)
-                ops.append(_Conv(_folded_weight(module), _bias(module), d, module.groups, slot, mask))
+                ops.append(_Conv(_folded_weight(module), _bias(module), d, module.groups, slot, mask, spf))
                 delay += pad[0]
             channels = module.out_channels
         elif isinstance(module, LocalMHA):
@@ -398,10 +420,11 @@ class _StaticShape:
     batch: int  # the bucket: rows of every buffer below
     n_frames: int
     edges: bool  # the layers apply edge masks
-    inputs: torch.Tensor  # [batch * (3 + 7 n)] int64, filled by one host copy: rows | first | total | codes
+    inputs: torch.Tensor  # [batch * (4 + 7 n)] int64, one host copy: rows | first | total | advance | codes
     rows: torch.Tensor  # [batch] pool rows; padding rows read the always-zero row
     first: torch.Tensor  # [batch] frames each row had stepped before this step
     total: torch.Tensor  # [batch] each row's utterance length in frames (a huge number while unknown)
+    advance: torch.Tensor  # [batch] frames each row advances (read by ragged decoders only)
     codes: torch.Tensor  # [batch, 7 n] c0 | c1 | c2
     state: torch.Tensor  # [batch, state_size], gathered before and scattered after the layers
     graph: torch.cuda.CUDAGraph | None = None
@@ -424,7 +447,9 @@ class StatefulDecoder:
 
     `static`: every step runs on preallocated buffers padded to a batch bucket (see the module doc);
     `cuda_graphs` (CUDA only, implies `static`): each static shape is captured as a CUDA graph here, in
-    the constructor, and steps replay it.
+    the constructor, and steps replay it. `ragged`: a call's pushes of unequal lengths share steps, each row
+    advancing by what it has (`base.step_schedule`; module doc): one step where even steps take two or
+    three, for padding computed and discarded; worth it where a step is launch-bound (a GPU).
 
     On CUDA, codes go in and audio comes out through pinned staging buffers (`codec.transfer`) on the
     caller's current stream (the codec worker's own); everything the constructor puts on the device is
@@ -441,6 +466,7 @@ class StatefulDecoder:
         step_frames: Sequence[int] = STATEFUL_STEP_FRAMES,
         static: bool = False,
         cuda_graphs: bool = False,
+        ragged: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -456,6 +482,7 @@ class StatefulDecoder:
             raise ValueError(f"cuda_graphs needs a model on CUDA, not {self.device}")
         self.max_batch = max_batch
         self.noise = noise
+        self.ragged = ragged
         self._generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self._transfer = HostTransfer(self.device)
         self.step_frames = tuple(sorted(set(step_frames), reverse=True))
@@ -501,7 +528,7 @@ class StatefulDecoder:
         self._shapes: dict[tuple[int, int, bool], _StaticShape] = {}
         if self.static:
             widest = max(self.step_frames)
-            self._static_inputs = torch.zeros(max_batch * (3 + TOKENS_PER_FRAME * widest), dtype=torch.int64,
+            self._static_inputs = torch.zeros(max_batch * (4 + TOKENS_PER_FRAME * widest), dtype=torch.int64,
                                               device=self.device)
             self._static_state = torch.zeros((max_batch, self.state_size), device=self.device, dtype=self.dtype)
         if cuda_graphs:
@@ -583,30 +610,35 @@ class StatefulDecoder:
         """Step every session with pending frames (`step_schedule`), rows in ascending order."""
         step = self._step_static if self.static else self._step
         ordered = sorted(work, key=lambda w: w.session.row)
-        for group_index, n_frames in step_schedule([len(w.frames) for w in ordered], self.step_frames,
-                                                   self.max_batch):
-            group = [ordered[i] for i in group_index]
-            outputs.append(step(group, n_frames))
-            self._advance(group, n_frames, len(outputs) - 1)
+        for planned in step_schedule([len(w.frames) for w in ordered], self.step_frames, self.max_batch,
+                                     ragged=self.ragged):
+            group = [ordered[i] for i in planned.rows]
+            outputs.append(step(group, planned.frames, planned.advances))
+            self._advance(group, planned.advances, len(outputs) - 1)
 
     def _step_codes(self, group: list[_Work], n_frames: int) -> np.ndarray:
-        """[B, 7n] int64: per row c0 [n] | c1 [2n] | c2 [4n] of the frames this step decodes."""
-        frames = np.stack([w.frames[w.done : w.done + n_frames] for w in group])  # [B, n, 7]
+        """[B, 7n] int64: per row c0 [n] | c1 [2n] | c2 [4n] of the frames this step decodes (a row of a ragged
+        step with fewer frames left is padded with code 0: padding, which nothing keeps)."""
+        frames = np.zeros((len(group), n_frames, TOKENS_PER_FRAME), dtype=np.int64)  # [B, n, 7]
+        for row, w in enumerate(group):
+            part = w.frames[w.done : w.done + n_frames]
+            frames[row, : len(part)] = part
         return np.concatenate([c.reshape(len(group), -1) for c in frames_to_snac_codes(frames)], axis=1)
 
-    def _at_edge(self, group: list[_Work], n_frames: int) -> bool:
+    def _at_edge(self, group: list[_Work], advances: list[int]) -> bool:
         """Whether some row's step touches the zero padding before its first frame or after its last."""
         return any(
             w.session.frames_in < self._start_edge_frames
-            or (w.session.total_frames is not None and w.session.frames_in + n_frames > w.session.total_frames)
-            for w in group
+            or (w.session.total_frames is not None and w.session.frames_in + n > w.session.total_frames)
+            for w, n in zip(group, advances, strict=True)
         )
 
-    def _step(self, group: list[_Work], n_frames: int) -> torch.Tensor:
+    def _step(self, group: list[_Work], n_frames: int, advances: list[int]) -> torch.Tensor:
         """One forward step on tensors shaped for exactly this group; returns its audio [B, n * spf]."""
         batch = len(group)
         rows = [w.session.row for w in group]
         codes = self._transfer.codes_to_device(self._step_codes(group, n_frames))  # one host-to-device copy
+        advance = self._transfer.codes_to_device(np.asarray(advances, dtype=np.int64)) if self.ragged else None
         contiguous = rows == list(range(rows[0], rows[0] + batch))
         if contiguous:
             state = self._pool[rows[0] : rows[0] + batch]  # a view: updated in place
@@ -615,27 +647,29 @@ class StatefulDecoder:
             row_index = self._transfer.codes_to_device(np.asarray(rows, dtype=np.int64))
             state = self._pool.index_select(0, row_index)  # [B, state_size]
         edges = None
-        if self._at_edge(group, n_frames):
+        if self._at_edge(group, advances):
             positions = np.array([[w.session.frames_in, _NO_END if w.session.total_frames is None
                                    else w.session.total_frames] for w in group], dtype=np.int64)
             edges = self._transfer.codes_to_device(positions).unbind(1)  # one pinned copy (transfer.py)
-        pcm = self._forward(codes, state, edges, n_frames)
+        pcm = self._forward(codes, state, edges, n_frames, advance)
         if not contiguous:
             self._pool.index_copy_(0, row_index, state)
         return pcm
 
-    def _step_static(self, group: list[_Work], n_frames: int) -> torch.Tensor:
+    def _step_static(self, group: list[_Work], n_frames: int, advances: list[int]) -> torch.Tensor:
         """One forward step on the fixed buffers of its padded shape (module doc); returns [B, n * spf]."""
         batch = len(group)
         shape = self._static_shape(next(b for b in self.batch_buckets if b >= batch), n_frames,
-                                   self._at_edge(group, n_frames))
+                                   self._at_edge(group, advances))
         bucket = shape.batch
-        host = np.zeros((3, bucket), dtype=np.int64)  # rows, first, total (the codes follow them)
+        host = np.zeros((4, bucket), dtype=np.int64)  # rows, first, total, advance (the codes follow them)
         host[0, :batch] = [w.session.row for w in group]
         host[0, batch:] = self._zero_row
         host[1, :batch] = [w.session.frames_in for w in group]
         host[2, :] = _NO_END
         host[2, :batch] = [_NO_END if w.session.total_frames is None else w.session.total_frames for w in group]
+        host[3, :] = n_frames
+        host[3, :batch] = advances
         codes = np.zeros((bucket, TOKENS_PER_FRAME * n_frames), dtype=np.int64)  # padding rows: code 0
         codes[:batch] = self._step_codes(group, n_frames)
         self._transfer.copy_to_device(np.concatenate([host.reshape(-1), codes.reshape(-1)]), shape.inputs)
@@ -659,14 +693,15 @@ class StatefulDecoder:
         return shape
 
     def _make_static_shape(self, bucket: int, n_frames: int, edges: bool) -> _StaticShape:
-        inputs = self._static_inputs[: bucket * (3 + TOKENS_PER_FRAME * n_frames)]
-        rows, first, total, codes = inputs.split([bucket, bucket, bucket, bucket * TOKENS_PER_FRAME * n_frames])
-        return _StaticShape(bucket, n_frames, edges, inputs, rows, first, total,
+        inputs = self._static_inputs[: bucket * (4 + TOKENS_PER_FRAME * n_frames)]
+        rows, first, total, advance, codes = inputs.split(
+            [bucket, bucket, bucket, bucket, bucket * TOKENS_PER_FRAME * n_frames])
+        return _StaticShape(bucket, n_frames, edges, inputs, rows, first, total, advance,
                             codes.view(bucket, TOKENS_PER_FRAME * n_frames), self._static_state[:bucket])
 
     def _forward_static(self, shape: _StaticShape) -> torch.Tensor:
         edges = (shape.first, shape.total) if shape.edges else None
-        return self._forward(shape.codes, shape.state, edges, shape.n_frames)
+        return self._forward(shape.codes, shape.state, edges, shape.n_frames, shape.advance if self.ragged else None)
 
     def _capture_graphs(self) -> None:
         """One CUDA graph per static shape, largest first, all in one memory pool (as the engine's decode graphs).
@@ -694,9 +729,10 @@ class StatefulDecoder:
         self._static_state.zero_()
 
     def _forward(self, codes: torch.Tensor, state: torch.Tensor, edges: tuple[torch.Tensor, torch.Tensor] | None,
-                 n_frames: int) -> torch.Tensor:
+                 n_frames: int, advance: torch.Tensor | None = None) -> torch.Tensor:
         """The layers over one step: codes [B, 7n] and state [B, state_size] (updated in place) -> audio
-        [B, n * spf]. `edges` (first, total) [B] each when some row is at an utterance edge."""
+        [B, n * spf]. `edges` (first, total) [B] each when some row is at an utterance edge; `advance` [B] the
+        frames each row of a ragged step advances (its audio: the first advance * spf samples)."""
         batch = codes.shape[0]
         codebooks = codes.split([n_frames, 2 * n_frames, 4 * n_frames], dim=1)
         latent = None
@@ -713,15 +749,16 @@ class StatefulDecoder:
             outside=None if edges is None else self._edge_masks(*edges, n_frames),
             noise=self.noise,
             generator=self._generator,
+            advance=advance,
         )
         for op in self._ops:
             x = op.step(x, ctx)
         return x[:, 0]  # [B, n * samples_per_frame]
 
-    def _advance(self, group: list[_Work], n_frames: int, output: int) -> None:
+    def _advance(self, group: list[_Work], advances: list[int], output: int) -> None:
         """After a step: each row's share of its audio (as a piece of step `output`) and its new position."""
         spf = self.samples_per_frame
-        for batch_row, w in enumerate(group):
+        for batch_row, (w, n_frames) in enumerate(zip(group, advances, strict=True)):
             session = w.session
             start = session.frames_in * spf - self.lookahead_samples  # one-shot time of this step's first sample
             end = start + n_frames * spf

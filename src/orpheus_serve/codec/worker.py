@@ -28,7 +28,10 @@ decoder's 1, 2, 4 frames): a decoder advances every row of a forward step by the
 pushes of unequal lengths cost a step each (`codec.base.step_schedule`), and on a GPU a step is a few
 hundred kernel launches whatever its batch. Every streaming session brings the pass's step (the largest
 size at least half of them have pending); one short of it waits for more unless its client holds under
-`URGENT_HELD_S`. First pushes and final ones come whole. And a pass waits, up to `max_pass_wait_s`, for
+`URGENT_HELD_S`. First pushes come whole. A ragged decoder (`codec.ragged_steps`) takes unequal pushes in
+one step up to its largest size, so a final push brings at most the frames that fit that step beside its
+flush (`lookahead_frames`; one frame for 4-frame steps and a lookahead of 3): the frames before them go in
+this pass as a streaming push, the last ones and the flush in the next. Otherwise final pushes come whole. And a pass waits, up to `max_pass_wait_s`, for
 `min_pass_frames` to be pending, unless a session waits for its first audio or a client holds under
 `URGENT_HELD_S`: back-to-back passes of a few frames cost a whole launch each, and their launches hold the
 interpreter that the engine-core loop in the same process needs.
@@ -162,6 +165,11 @@ class CodecWorker:
         self.min_pass_frames = min_pass_frames
         self.max_pass_wait_s = max_pass_wait_s
         self._s_per_frame: float | None = None  # measured, smoothed over passes
+        # A ragged decoder takes a pass's pushes of unequal lengths in one step of up to its largest size; a final
+        # push brings at most this many frames, so that they and the flush fit one step (None: no such decoder).
+        sizes = getattr(decoder, "step_frames", None)
+        tail = max(sizes) - decoder.lookahead_frames if sizes and getattr(decoder, "ragged", False) else 0
+        self._final_frames: int | None = tail if tail > 0 else None
         self.held_audio_s = held_audio_s
         self.on_pass = on_pass
         self.device = torch.device(device)
@@ -372,6 +380,9 @@ class CodecWorker:
         for key in sorted(self._pending, key=rank):
             entry = self._pending[key]
             share = share_of(key, entry)
+            if entry.final and self._final_frames is not None and entry.count > self._final_frames:
+                # Its last frames and the flush come in the next pass, which they fit in one step; these now.
+                share = min(share, entry.count - self._final_frames)
             if even is not None and key in self._started and not entry.final:
                 if share >= even:
                     share = even
