@@ -192,3 +192,55 @@ def test_a_stream_with_a_lead_in_hand_may_dip_below_real_time() -> None:
     play(clock, sessions, 1.0, [1.0, 1.0, 0.8], admission, model_limit=3)
     assert admission.last is not None
     assert (admission.last.keeping, admission.last.falling) == (2, 1)
+
+
+def test_refused_requests_are_demand_that_lets_the_limit_grow() -> None:
+    # admission: reject turns requests away at the limit, so the admitted streams sit just under it (streams end,
+    # refused ones never arrive) and never fill it. The refusals are unmet demand: with streams producing 1.5x
+    # real time the limit must still rise; without refusals it stays.
+    def limits_after(refusing: bool) -> int:
+        clock = FakeClock()
+        admission = controller()
+        sessions = streams(clock, 30)
+        admission.update(clock(), sessions, demand=30, model_limit=31, slots=512)
+        play(clock, sessions, WINDOW_S, 1.5, admission, model_limit=31)  # old enough to be read
+        refused = 0
+        dt = 0.01
+        for _ in range(round(2.0 / dt)):
+            clock.advance(dt)
+            for s in sessions:
+                s.generated += round(1.5 * TOKENS_PER_SECOND_REALTIME * dt)
+                s.playback_end_s = clock() + 1.0
+            refused += refusing
+            limit = admission.update(clock(), sessions, demand=len(sessions) - 1, model_limit=31, slots=512,
+                                     refused_total=refused)
+        return limit
+
+    grown, held = limits_after(refusing=True), limits_after(refusing=False)
+    assert held <= 31, held
+    assert grown >= math.ceil(31 * GROW_FACTOR), grown
+
+
+def test_a_cold_server_far_from_every_bound_doubles_its_limit_at_a_time() -> None:
+    # A cold server's prediction can be a small fraction of what it carries (the H100 model's sim: 4 of 214).
+    # Streams producing 3x real time with an idle codec: the limit may double per rise (slow start) up to what
+    # the median producer's spare pace says; near real time (1.5x) it rises GROW_FACTOR at a time.
+    def rises(rate: float, codec_busy: float) -> list[tuple[int, int]]:
+        clock = FakeClock()
+        admission = controller()
+        sessions = streams(clock, 4)
+        admission.update(clock(), sessions, demand=4, model_limit=4, slots=512)
+        limits = []
+        for _ in range(4):  # the streams fill the limit each time it rises, as queued requests would
+            limits += play(clock, sessions, GROW_EVERY_S + TICK_S, rate, admission, model_limit=4,
+                           codec_busy=codec_busy)
+            sessions += streams(clock, admission.limit - len(sessions), prefix=f"t{len(sessions)}-")
+        return [(a, b) for a, b in itertools.pairwise(limits) if b > a]
+
+    fast = rises(3.0, 0.1)
+    assert fast and all(b <= 2 * a for a, b in fast) and any(b > math.ceil(a * GROW_FACTOR) for a, b in fast), fast
+    assert fast[-1][1] >= 4 * 2**2, fast
+    near = rises(1.5, 0.1)
+    assert near and all(b <= math.ceil(a * GROW_FACTOR) for a, b in near), near
+    busy_codec = rises(3.0, 0.5)  # the codec past half its hold: no slow start
+    assert busy_codec and all(b <= math.ceil(a * GROW_FACTOR) for a, b in busy_codec), busy_codec

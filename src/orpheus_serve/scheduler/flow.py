@@ -144,6 +144,7 @@ class FlowControl:
         self.draining: dict[str, Session] = {}
         self._skips = 0
         self._waits = 0
+        self._refused = 0  # requests `admission: reject` turned away (unmet demand, which lets the limit grow)
         self._peak_undecoded = 0
         self._first_push_last: int | None = None
         self._first_push_total = 0
@@ -298,7 +299,7 @@ class FlowControl:
             self._limit = self.leads.update(now, admitted, demand=self.demand(admitted),
                                             model_limit=self.estimate(admitted, step).max_streams,
                                             slots=self._num_slots, codec_busy=self.codec_busy(now),
-                                            gateway_lag_s=self._gateway_lag_s)
+                                            gateway_lag_s=self._gateway_lag_s, refused_total=self._refused)
             self._limit_step = step
         return self._limit
 
@@ -314,6 +315,9 @@ class FlowControl:
 
     def admission_waited(self) -> None:
         self._waits += 1
+
+    def admission_refused(self) -> None:
+        self._refused += 1
 
     def estimate(self, admitted: Collection[Session], step: int) -> CapacityEstimate:
         if self._estimate is None or self._estimate_step != step:

@@ -30,11 +30,15 @@ The limit (streams admission allows) moves on those readings, never on a predict
 
 - **grow** while at most `GROW_FALL_SHARE` of the streams fall, the codec is busy under
   `CODEC_BUSY_HOLD`, the API processes keep up (event-loop lag under `grow_lag_s`: past it the host that
-  hands audio to the sockets is the limit, which production does not show) and the streams fill the
-  limit: to what the median producer's spare pace says the engine carries (`demand * median /
-  (1 + margin)`) and the codec's spare time says it carries (`demand * CODEC_BUSY_HOLD / codec_busy`), at
-  least one more, at most `GROW_FACTOR` at a time and once per `GROW_EVERY_S`, so each rise is measured
-  before the next;
+  hands audio to the sockets is the limit, which production does not show) and demand fills the limit
+  (the streams reach it, or `admission: reject` turned a request away since the last reading: refused
+  requests are demand too, or a server that refuses would never see itself full): to what the median
+  producer's spare pace says the engine carries (`demand * median / (1 + margin)`) and the codec's spare
+  time says it carries (`demand * CODEC_BUSY_HOLD / codec_busy`), at least one more, at most `GROW_FACTOR` at a time and once per `GROW_EVERY_S`, so each rise is measured
+  before the next. Far from every bound (the slowest stream produced `SLOW_START_PACE` times what it needs,
+  the codec busy under half of `CODEC_BUSY_HOLD`) a rise may double the limit (`SLOW_START_FACTOR`): a
+  cold or idle server's prediction can be a small fraction of what it carries, and rising 1.25x at a time
+  from it turns requests away (`reject`) or keeps them waiting for seconds;
 - **hold** (admit nobody more) while more fall, up to `fall_share` of them, or while the gateway lags or
   the codec is busy;
 - **back off** when more fall: to `demand * median production / (1 + margin)` where production fell short,
@@ -64,6 +68,10 @@ WINDOW_S = 1.0  # production is measured over this much of a stream's recent lif
 MIN_AGE_S = 0.5  # a stream is read once it has played this long (its first tokens were prioritised)
 GROW_EVERY_S = 0.5
 GROW_FACTOR = 1.25
+# Slow start: while the slowest stream produces at least SLOW_START_PACE times what it needs (with the margin)
+# and the codec is under half of CODEC_BUSY_HOLD, the limit may double at a time instead.
+SLOW_START_PACE = 2.0
+SLOW_START_FACTOR = 2.0
 AHEAD_SHARE = 0.8  # a client holding this share of max_client_buffer_s is ahead (flow control holds it back)
 MAX_BACK_OFF = 0.95  # a back-off admits at most this share of the streams running
 HORIZON_S = 3.0  # a stream's lead is carried forward this far at its production (module docstring)
@@ -99,19 +107,23 @@ class LeadAdmission:
         self._last_tick = -math.inf
         self._last_grow = -math.inf
         self._last_back_off = -math.inf
+        self._refused_seen = 0  # `refused_total` at the last reading
         # Per stream: (clock, tokens generated) readings over the last window, and the stalls seen.
         self._history: dict[str, deque[tuple[float, int]]] = {}
         self._stalls: dict[str, int] = {}
 
     def update(self, now: float, admitted: Collection[Session], *, demand: int, model_limit: int,
-               slots: int, codec_busy: float | None = None, gateway_lag_s: float = 0.0) -> int:
+               slots: int, codec_busy: float | None = None, gateway_lag_s: float = 0.0,
+               refused_total: int = 0) -> int:
         """The limit now. `demand`: the streams that need real-time production; `model_limit`: the cost model's
         prediction (used only while nothing can be read); `slots`: the ceiling; `codec_busy`: the codec's share
-        of the last second in passes; `gateway_lag_s`: how late the most lagging API process's loop runs."""
+        of the last second in passes; `gateway_lag_s`: how late the most lagging API process's loop runs;
+        `refused_total`: requests refused for capacity so far (a count that only grows)."""
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
             self.last = replace(self._read(now, admitted), codec_busy=codec_busy)
-            self._decide(now, self.last, demand, model_limit, gateway_lag_s)
+            refused, self._refused_seen = refused_total > self._refused_seen, refused_total
+            self._decide(now, self.last, demand, model_limit, gateway_lag_s, refused)
         if self.limit is None:
             self.limit = model_limit
         self.limit = max(1, min(self.limit, slots))
@@ -163,7 +175,8 @@ class LeadAdmission:
 
     # ------------------------------------------------------------ decisions
 
-    def _decide(self, now: float, reading: LeadReading, demand: int, model_limit: int, lag_s: float) -> None:
+    def _decide(self, now: float, reading: LeadReading, demand: int, model_limit: int, lag_s: float,
+                refused: bool = False) -> None:
         if reading.playing == 0:
             # Nothing to read (cold, idle, or every stream too young): the prediction may ramp up again, but not
             # below what the last readings allowed.
@@ -189,11 +202,16 @@ class LeadAdmission:
         elif (reading.falling > int(GROW_FALL_SHARE * reading.playing) or codec > CODEC_BUSY_HOLD
               or lag_s > self.grow_lag_s):
             limit = min(limit, demand)
-        elif demand >= limit and now - self._last_grow >= GROW_EVERY_S:
+        elif (demand >= limit or refused) and now - self._last_grow >= GROW_EVERY_S:
+            demand = max(demand, limit)  # a refusal: demand was at the limit when it came
             target = limit + max(1, math.ceil(0.1 * limit)) if reading.median is None \
                 else math.floor(demand * reading.median / (1 + self.margin))
             if codec > 0:
                 target = min(target, math.floor(demand * CODEC_BUSY_HOLD / codec))
-            limit = min(max(target, limit + 1), math.ceil(limit * GROW_FACTOR))
+            factor = GROW_FACTOR
+            if (reading.slowest is not None and reading.slowest >= SLOW_START_PACE * (1 + self.margin)
+                    and codec < CODEC_BUSY_HOLD / 2):
+                factor = SLOW_START_FACTOR  # far from every bound: a cold server's ramp
+            limit = min(max(target, limit + 1), math.ceil(limit * factor))
             self._last_grow = now
         self.limit = max(limit, reading.keeping, 1)

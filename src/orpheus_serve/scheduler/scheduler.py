@@ -182,6 +182,7 @@ class Scheduler(SchedulerFeedback):
                 capacity = self._flow.reject_limit(self._admitted.values(), self._step, self._clock())
                 if capacity is not None and self._flow.demand(self._admitted.values()) + len(self._waiting) >= capacity:
                     self._counts["rejected"] += 1
+                    self._flow.admission_refused()
                     retry = retry_after_s(self._mean_session_s, len(self._waiting), self.num_slots)
                     raise SchedulerFullError(
                         f"server at capacity: {capacity} real-time streams are running (scheduler.admission="
