@@ -42,6 +42,17 @@ from .runner import (
 MODES = ("single", "scaling", "tuning", "sim", "input-stream", "all")
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """'0', '0,1' or '0-3' as CPU numbers, ascending."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 0 or 0,1 or 0-3)")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(cpus))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--input-tokens-per-s (a voice agent's LLM), at 1 and --concurrent streams")
     ap.add_argument("--input-tokens-per-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-cpus", type=_cpu_list, default=None, metavar="LIST",
+                    help="pin the servers started here (and their engine-core processes) to these CPUs, e.g. 0 or 0,1;"
+                         " the client stays unpinned")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -105,7 +119,8 @@ class Bench:
             return
         self._launches += 1
         log = self.out_dir / f"server_{self._launches:02d}_{label}.log"
-        with LaunchedServer([*self.args.set, *(extra or [])], config=self.args.config, log_path=log) as srv:
+        with LaunchedServer([*self.args.set, *(extra or [])], config=self.args.config, log_path=log,
+                            cpus=self.args.server_cpus) as srv:
             yield Target(srv.url, srv.grpc_addr, label)
 
     def run_level(self, target: Target, spec: LoadSpec, title: str) -> dict[str, Any]:
@@ -223,6 +238,7 @@ class Bench:
             "utterance_seconds": round(frames * FRAME_SECONDS, 3),
             "max_batch_size": min(self.args.sim_max_batch, slots), "protocol": self.args.sim_protocol,
             "analytic_bound": bound, "ttfb_feasible_bound": ttfb_bound,
+            "server_cpus": self.args.server_cpus,
         }
         for admission in self.args.sim_admission:
             rows = []
@@ -233,6 +249,13 @@ class Bench:
                                     ramp_s=seconds)
                     row = self.run_level(target, spec, f"sim {admission}")
                     row["flow"] = target.stats().get("flow")
+                    if profile is not None and row.get("codec_ms_per_pass") and row.get("codec_frames_per_pass"):
+                        # The pass inside the server against the card's codec alone with the same frames (the kit's
+                        # passes: 2 frames a session, so the same batch).
+                        alone = profile.codec_pass_ms(round(row["codec_frames_per_pass"]))
+                        row["codec_over_alone"] = round(row["codec_ms_per_pass"] / alone, 3)
+                        print(f"{'':>28} codec pass {row['codec_ms_per_pass']} ms for {row['codec_frames_per_pass']}"
+                              f" frames: {row['codec_over_alone']}x the card's codec alone", flush=True)
                     rows.append(row)
             held = max((r["concurrent_peak"] for r in rows
                         if r["errors"] == 0 and (r["realtime_of_started"] or 0) >= 0.95), default=0)

@@ -36,6 +36,9 @@ class LaunchedServer:
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    # CPUs the server's processes may run on (its engine-core process inherits them); None: any. Pinning the
+    # server to one core shows what admission does on a host with less CPU than the one it was tuned on.
+    cpus: tuple[int, ...] | None = None
     _log: object = None
 
     @property
@@ -55,6 +58,10 @@ class LaunchedServer:
             cmd += ["--set", item]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        if self.cpus is not None:
+            # taskset(1), not a preexec_fn (unsafe beside threads): the affinity holds for the server and every
+            # process it starts.
+            cmd = ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *cmd]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         self._wait_ready()
 
