@@ -105,9 +105,11 @@ def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
 STEPS_AFTER_SERVER_CANCEL = 3
 # From the client's interruption: the way to the server (the client library's own tasks, the socket, the
 # gateway, all sharing the test process's interpreter with a tiny model stepping every ~10 ms) has measured
-# 0-6 steps more on the reference machine (tests/pace.py); that part is host time, so a slower machine
-# stretches it (`steps_after_client_cancel`). The server's own bound is STEPS_AFTER_SERVER_CANCEL.
-STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 6
+# 0-6 steps more on the reference machine alone (tests/pace.py), and 9 beside the suite's other shard, whose
+# load comes and goes within a test and so escapes the run's one calibration; that part is host time, so a
+# slower machine stretches it (`steps_after_client_cancel`). A server that ignored the cancel would run the
+# rest of the answer, hundreds of steps. The server's own bound is STEPS_AFTER_SERVER_CANCEL.
+STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 10
 
 
 def steps_after_client_cancel(pace: MachinePace) -> int:
