@@ -25,6 +25,8 @@ Stages (ARCHITECTURE §8; the card run is two calls, serve alone, then check, co
 - codec:  the stateful SNAC decoder in FP16 on its own CUDA stream: ms per decode pass at each
           batch size with CUDA graphs (`codec.cuda_graphs`, the server's default) and without, side by
           side, and the host (thread CPU) ms of a pass for both; audio seconds decoded per GPU second,
+          one 4-frame step against four 1-frame ones, mixed passes as a server makes them (streaming
+          pushes, a first push, a final one) in even steps against ragged ones (`codec.ragged_steps`),
           overlap of graph passes with engine decode steps (both at once against each alone; every step
           checked to have decoded every row), and FP16 against FP32 on the same codes (SNR). The dry run
           runs the static path eagerly where the graphs would be.
