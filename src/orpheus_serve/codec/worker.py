@@ -31,10 +31,10 @@ size at least half of them have pending); one short of it waits for more unless 
 `URGENT_HELD_S`. First pushes come whole. A ragged decoder (`codec.ragged_steps`) takes unequal pushes in
 one step up to its largest size, so a final push brings at most the frames that fit that step beside its
 flush (`lookahead_frames`; one frame for 4-frame steps and a lookahead of 3): the frames before them go in
-this pass as a streaming push, the last ones and the flush in the next. Otherwise final pushes come whole. And a pass waits, up to `max_pass_wait_s`, for
-`min_pass_frames` to be pending, unless a session waits for its first audio or a client holds under
-`URGENT_HELD_S`: back-to-back passes of a few frames cost a whole launch each, and their launches hold the
-interpreter that the engine-core loop in the same process needs.
+this pass as a streaming push, the last ones and the flush in the next. Otherwise final pushes come whole.
+And a pass waits, up to `max_pass_wait_s`, for `min_pass_frames` to be pending, unless a session waits for
+its first audio or a client holds under `URGENT_HELD_S`: back-to-back passes of a few frames cost a whole
+launch each, and their launches hold the interpreter that the engine-core loop in the same process needs.
 Sessions whose audio has not started go first (their client waits for its
 first byte: they may bring their whole first push), then the sessions whose
 clients hold the least audio (`held_audio_s`, the scheduler's playback model),
