@@ -94,6 +94,17 @@ def run_schedule(decoder: StatefulDecoder, seed: int) -> tuple[dict[str, list[np
     return audio, finished
 
 
+def assert_one_shot_audio(model: snac.SNAC, audio: dict[str, list[np.ndarray]], finished: dict[str, np.ndarray]) -> None:
+    """Every finished session's audio, its pushes joined, is the one-shot decode of its frames (at least four
+    sessions with frames)."""
+    assert len([frames for frames in finished.values() if len(frames)]) >= 4
+    for key, frames in finished.items():
+        whole = np.concatenate(audio[key])
+        assert whole.shape == (2048 * len(frames),)
+        if len(frames):
+            assert snr_db(one_shot(model, frames), whole) >= 100, key
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_static_path_equals_dynamic_path_bit_for_bit(model, seed: int) -> None:
     # max_batch 4: groups of several forward steps per call, buckets 1, 2 and 4 with padding, and a pool that grows.
@@ -116,13 +127,7 @@ def test_static_path_equals_dynamic_path_bit_for_bit(model, seed: int) -> None:
 
 def test_static_path_matches_the_one_shot_decode_and_leaves_padding_rows_alone(model) -> None:
     decoder = StatefulDecoder(model, max_batch=8, static=True)
-    audio, finished = run_schedule(decoder, seed=3)
-    assert len([frames for frames in finished.values() if len(frames)]) >= 4
-    for key, frames in finished.items():
-        whole = np.concatenate(audio[key])
-        assert whole.shape == (2048 * len(frames),)
-        if len(frames):
-            assert snr_db(one_shot(model, frames), whole) >= 100, key
+    assert_one_shot_audio(model, *run_schedule(decoder, seed=3))
     # Padding rows read the zero row and are never scattered back: it is still all zeros.
     assert decoder._zero_row == 8 and not decoder._pool[decoder._zero_row].any()
 
@@ -221,12 +226,8 @@ def test_ragged_steps_match_the_one_shot_decode_in_one_step_per_call(model, stat
     decoder._forward = counted  # type: ignore[method-assign]
     audio, finished = run_schedule(decoder, seed=3)
     (even_audio, _) = run_schedule(even, seed=3)
-    assert len([frames for frames in finished.values() if len(frames)]) >= 4
-    for key, frames in finished.items():
-        whole = np.concatenate(audio[key])
-        assert whole.shape == (2048 * len(frames),)
-        if len(frames):
-            assert snr_db(one_shot(model, frames), whole) >= 100, key
+    assert_one_shot_audio(model, audio, finished)
+    for key in finished:
         # Push by push, the same audio as even steps give (each push's final samples, nothing early or late).
         assert [len(piece) for piece in audio[key]] == [len(piece) for piece in even_audio[key]], key
     # Pushes of 0-4 frames, finals of n + 3: the schedule's steps, and fewer than even steps take (19 here).

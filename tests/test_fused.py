@@ -183,26 +183,39 @@ def test_fused_fp8_quantises_inside_the_norm_and_matches_the_unfused_fp8_model(t
     assert calls == []
 
 
+def greedy_rows(engine: TorchEngine, prompts: list[tuple[int, ...]], steps: int,
+                adapters: list[str | None] | None = None) -> list[list[int]]:
+    """Each prompt prefilled in its own slot (greedy, with its adapter), then all decoded together `steps` times;
+    each slot's tokens. Closes the engine."""
+    plan = StepPlan()
+    for slot, prompt in enumerate(prompts):
+        plan.prefill.append(PrefillChunk(slot, f"s{slot}", prompt, 0, len(prompt), SamplingParams(temperature=0.0),
+                                         adapter=None if adapters is None else adapters[slot]))
+    out = engine.step(plan)
+    assert not out.failed, out.failed
+    rows = [list(out.tokens[slot]) for slot in range(len(prompts))]
+    for _ in range(steps):
+        out = engine.step(StepPlan(decode=list(range(len(prompts)))))
+        assert not out.failed
+        for slot in range(len(prompts)):
+            rows[slot] += out.tokens[slot]
+    engine.close()
+    return rows
+
+
+# Three short prompts differing in one token.
+SHORT_PROMPTS = [(P.START_OF_HUMAN, P.BOS, 10 + slot, 20, 30, *P.PROMPT_SUFFIX) for slot in range(3)]
+
+
 def greedy_engine_tokens(folder: Path, *, sessions: int = 3, steps: int = 10, **options: object) -> list[list[int]]:
     engine = TorchEngine(folder, num_slots=sessions, max_seq_len=96, device="cpu", dtype="fp32", cuda_graphs=False,
                          **options)  # type: ignore[arg-type]
-    plan = StepPlan()
+    prompts = []
     for slot in range(sessions):
         gen = torch.Generator().manual_seed(slot)
-        prompt = (P.START_OF_HUMAN, P.BOS, *torch.randint(0, 1000, (4 + 7 * slot,), generator=gen).tolist(),
-                  *P.PROMPT_SUFFIX)
-        plan.prefill.append(PrefillChunk(slot, f"s{slot}", prompt, 0, len(prompt), SamplingParams(temperature=0.0),
-                                         adapter=options.get("adapter_of", {}).get(slot)))  # type: ignore[union-attr]
-    out = engine.step(plan)
-    assert not out.failed, out.failed
-    tokens = [list(out.tokens[slot]) for slot in range(sessions)]
-    for _ in range(steps):
-        out = engine.step(StepPlan(decode=list(range(sessions))))
-        assert not out.failed
-        for slot in range(sessions):
-            tokens[slot] += out.tokens[slot]
-    engine.close()
-    return tokens
+        prompts.append((P.START_OF_HUMAN, P.BOS, *torch.randint(0, 1000, (4 + 7 * slot,), generator=gen).tolist(),
+                        *P.PROMPT_SUFFIX))
+    return greedy_rows(engine, prompts, steps)
 
 
 @ON_CPU
@@ -223,20 +236,7 @@ def test_fused_engine_with_lora_applies_each_adapter_to_its_slice(tiny_orpheus: 
     def tokens(fused: bool) -> list[list[int]]:
         engine = TorchEngine(tiny_orpheus, num_slots=3, max_seq_len=96, device="cpu", dtype="fp32",
                              cuda_graphs=False, fused=fused, **lora)  # type: ignore[arg-type]
-        plan = StepPlan()
-        for slot, adapter in enumerate(("voice0", None, "voice1")):
-            prompt = (P.START_OF_HUMAN, P.BOS, 10 + slot, 20, 30, *P.PROMPT_SUFFIX)
-            plan.prefill.append(PrefillChunk(slot, f"s{slot}", prompt, 0, len(prompt),
-                                             SamplingParams(temperature=0.0), adapter=adapter))
-        out = engine.step(plan)
-        assert not out.failed, out.failed
-        rows = [list(out.tokens[s]) for s in range(3)]
-        for _ in range(8):
-            out = engine.step(StepPlan(decode=[0, 1, 2]))
-            for s in range(3):
-                rows[s] += out.tokens[s]
-        engine.close()
-        return rows
+        return greedy_rows(engine, SHORT_PROMPTS, 8, adapters=["voice0", None, "voice1"])
 
     fused, plain = tokens(True), tokens(False)
     assert fused == plain
@@ -280,19 +280,7 @@ def test_fused_cuda_graphs_match_the_unfused_engine(tiny_orpheus: Path, options:
         engine = TorchEngine(tiny_orpheus, num_slots=4, max_seq_len=256, device="cuda", dtype="bf16",
                              max_batch_size=4, cuda_graphs=True, attention="triton", fused=fused,
                              **options)  # type: ignore[arg-type]
-        plan = StepPlan()
-        for slot in range(3):
-            prompt = (P.START_OF_HUMAN, P.BOS, 10 + slot, 20, 30, *P.PROMPT_SUFFIX)
-            plan.prefill.append(PrefillChunk(slot, f"s{slot}", prompt, 0, len(prompt),
-                                             SamplingParams(temperature=0.0)))
-        out = engine.step(plan)
-        rows = [list(out.tokens[s]) for s in range(3)]
-        for _ in range(40):
-            out = engine.step(StepPlan(decode=[0, 1, 2]))
-            for s in range(3):
-                rows[s] += out.tokens[s]
-        engine.close()
-        return rows
+        return greedy_rows(engine, SHORT_PROMPTS, 40)
 
     fused, plain = run(True), run(False)
     assert [r[:20] for r in fused] == [r[:20] for r in plain]

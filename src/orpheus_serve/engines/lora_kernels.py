@@ -84,6 +84,17 @@ def lora_segmented(x: Tensor, y: Tensor, a_all: Tensor, b_all: Tensor, segments:
 
 
 @triton.jit
+def _tile_rows(Order, Tiles, tile, num_tiles, BLOCK_M: tl.constexpr):
+    """A tile's rows of the input ([BLOCK_M] int64, from the adapter-sorted order) and which of them are real."""
+    start = tl.load(Tiles + num_tiles + tile)
+    end = tl.load(Tiles + 2 * num_tiles + tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(Order + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return rows, m_mask
+
+
+@triton.jit
 def _shrink_kernel(X, A, Order, Tiles, XA, n_in, width,
                    stride_xm, stride_ae, stride_ak, stride_xs, stride_xam, num_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -93,11 +104,7 @@ def _shrink_kernel(X, A, Order, Tiles, XA, n_in, width,
     entry = tl.load(Tiles + tile).to(tl.int64)
     if entry == 0:
         return
-    start = tl.load(Tiles + num_tiles + tile)
-    end = tl.load(Tiles + 2 * num_tiles + tile)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    rows = tl.load(Order + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = _tile_rows(Order, Tiles, tile, num_tiles, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -122,11 +129,7 @@ def _expand_kernel(XA, B, Order, Tiles, Y, Bounds, n_out, rank,
     entry = tl.load(Tiles + tile).to(tl.int64)
     if entry == 0:
         return
-    start = tl.load(Tiles + num_tiles + tile)
-    end = tl.load(Tiles + 2 * num_tiles + tile)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    rows = tl.load(Order + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = _tile_rows(Order, Tiles, tile, num_tiles, BLOCK_M)
     first_col = col_block * BLOCK_N
     offs_n = first_col + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
