@@ -238,3 +238,15 @@ def test_ragged_steps_match_the_one_shot_decode_in_one_step_per_call(model, stat
     assert decoder.active_sessions == 0
     if static:
         assert not decoder._pool[decoder._zero_row].any()
+
+
+def test_ragged_steps_setting_reads_as_yaml_writes_it_and_auto_is_off_on_a_cpu(model) -> None:
+    """`codec.ragged_steps`: auto (ragged where a step is launch-bound, CUDA), or forced either way, with the
+    words a YAML file or `--set` uses (on/off parse as booleans there)."""
+    from orpheus_serve.config import load_config
+
+    for text, expected in (("auto", "auto"), ("on", True), ("off", False), ("true", True), ("false", False)):
+        assert load_config(overrides=[f"codec.ragged_steps={text}"], env={}).codec.ragged_steps == expected, text
+    assert load_config(env={}).codec.ragged_steps == "auto"
+    assert not build_decoder(CodecConfig(decoder="stateful", noise=False), model).ragged  # auto, on a CPU
+    assert build_decoder(CodecConfig(decoder="stateful", noise=False, ragged_steps=True), model).ragged

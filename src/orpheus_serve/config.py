@@ -100,8 +100,8 @@ class CodecConfig(_Strict):
     # Stateful decoder: a pass's pushes of unequal lengths (first pushes, streaming ones, final flushes) share one
     # forward step, each row advancing by what it has, instead of a step per distinct length (ARCHITECTURE §4).
     # It computes the shorter rows' padding: auto turns it on where a step is launch-bound (CUDA, and the replay
-    # of a card), off on a CPU.
-    ragged_steps: Literal["auto", "on", "off"] = "auto"
+    # of a card), off on a CPU; true or false (YAML's on or off) forces it.
+    ragged_steps: Literal["auto"] | bool = "auto"
     max_frames_per_pass: int = Field(64, ge=1)  # frames one worker pass may decode, across all sessions
     max_frames_per_session: int = Field(4, ge=1)  # frames one session may contribute to a pass (round-robin)
     max_pass_ms: float = Field(100.0, gt=0)  # and fewer frames when the measured pass would take longer (CPU)

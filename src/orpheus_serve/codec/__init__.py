@@ -69,7 +69,7 @@ def build_decoder(codec_cfg: CodecConfig, model: SNAC) -> StreamingDecoder:
         # would only add compute, and there is no launch cost to save.
         on_cuda = next(model.parameters()).device.type == "cuda"
         graphs = codec_cfg.cuda_graphs and on_cuda
-        ragged = codec_cfg.ragged_steps == "on" or (codec_cfg.ragged_steps == "auto" and on_cuda)
+        ragged = on_cuda if codec_cfg.ragged_steps == "auto" else codec_cfg.ragged_steps
         return StatefulDecoder(model, max_batch=codec_cfg.max_batch, noise=codec_cfg.noise, seed=codec_cfg.seed,
                                cuda_graphs=graphs, ragged=ragged)
     if codec_cfg.decoder == "reference":

@@ -77,7 +77,7 @@ def build_engine_and_decoder(config: Config) -> tuple[TokenEngine, StreamingDeco
         sim = config.codec.sim
         decoder: StreamingDecoder = SimDecoder(base_ms=sim.base_ms, per_frame_ms=sim.per_frame_ms,
                                                realtime=sim.realtime, card=card, max_batch=config.codec.max_batch,
-                                               ragged=config.codec.ragged_steps != "off")
+                                               ragged=config.codec.ragged_steps is not False)
     else:
         snac = load_snac(
             config.codec.path,
