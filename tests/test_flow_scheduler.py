@@ -210,6 +210,8 @@ def test_reject_mode_refuses_at_once_with_a_retry_hint() -> None:
     assert refused.value.retry_after_s > 0
     assert "capacity" in str(refused.value)
     assert sched.stats().rejected == 1 and sched.stats().pending_sessions == 0
+    # The refusal reaches admission as demand it did not meet (tests/test_lead_admission.py: it lets the limit grow).
+    assert sched.flow_stats().refused_requests == 1
 
 
 @pytest.mark.parametrize("admission", ["queue", "reject"])
@@ -417,3 +419,41 @@ def test_a_finished_stream_counts_as_demand_until_the_codec_has_its_last_frames(
     sched.schedule()
     assert sched.session_state("b") is SessionState.PREFILLING
     assert sched.flow_stats().draining_streams == 0
+
+
+@pytest.mark.parametrize("refusing", [True, False])
+def test_refusals_reach_the_playing_streams_admission_as_demand(refusing: bool) -> None:
+    """`admission: reject` refuses at the limit, so its streams sit under it (streams end, the refused never
+    arrive) and never fill it: the refusals must reach the leads' controller through FlowControl, or a refusing
+    server never grows. Streams produce 1.5x real time throughout."""
+    from tests.test_lead_admission import streams
+
+    cfg = config(admission="reject")
+    flow = FlowControl(cfg, flush_policy=FlushPolicy.from_config(cfg), batch_limit=16, num_slots=64,
+                       lookahead_samples=0, feedback=True, max_frames_per_pass=64, max_pass_s=None)
+    clock = FakeClock()
+    sessions = streams(clock, 30)
+    step = 0
+
+    def play(playing: list, seconds: float, refuse: bool) -> list[int]:
+        nonlocal step
+        limits = []
+        for _ in range(round(seconds / 0.01)):
+            clock.advance(0.01)
+            step += 1
+            for s in playing:
+                s.generated += round(1.5 * 82.03 * 0.01)
+                s.playback_end_s = clock() + 1.0
+            if refuse:
+                flow.admission_refused()
+            limits.append(flow.admission_limit(playing, step, clock()))
+        return limits
+
+    risen = max(play(sessions, 1.5, refuse=False))  # 30 streams fill the limit: it rises past them
+    assert risen > 30, risen
+    after = play(sessions[:29], 2.0, refuse=refusing)  # now under it, with or without refused requests
+    assert flow.stats(sessions[:29], clock(), step).refused_requests == (len(after) if refusing else 0)
+    if refusing:
+        assert max(after) > risen, (risen, max(after))
+    else:
+        assert max(after) == risen, (risen, max(after))

@@ -135,9 +135,10 @@ def _admission_inputs(flow: FlowStats) -> Iterator[Metric]:
         return float("nan") if x is None else float(x)
 
     reason = GaugeMetricFamily("orpheus:admission_limited_by", "1 for what bounds admission now: lead (the playing "
-                               "streams' readings), model (the cost model, before any reading), gateway, slots.",
+                               "streams' readings), codec (its busy share held or backed it off), model (the cost model, before any "
+                               "reading), gateway, slots.",
                                labels=["reason"])
-    for name in ("lead", "model", "gateway", "slots"):
+    for name in ("lead", "codec", "model", "gateway", "slots"):
         reason.add_metric([name], 1.0 if flow.limit_reason == name else 0.0)
     yield reason
     playing = GaugeMetricFamily("orpheus:playing_streams", "Playing streams read by admission, by whether they keep "

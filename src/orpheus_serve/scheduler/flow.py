@@ -81,11 +81,12 @@ class FlowStats:
     in_codec_frames: int  # frames pushed to the codec and not decoded, all sessions
     backpressure_skips: int  # session-steps skipped by backpressure since start
     admission_waits: int  # steps that left a session queued for capacity with a slot free
+    refused_requests: int  # requests `admission: reject` turned away for capacity since start (demand too)
     first_push_frames_last: int | None  # the last first push's size, frames
     first_push_frames_mean: float | None
     # The inputs of the admission decision (ARCHITECTURE §5a, scheduler/leads.py), over the last
     # DIAGNOSTIC_SAMPLES loop periods and codec passes, and the last reading of the playing streams.
-    limit_reason: str = "slots"  # lead | model | gateway | slots
+    limit_reason: str = "slots"  # lead | codec | model | gateway | slots
     loop_period_ms_p50: float | None = None
     loop_period_ms_p99: float | None = None
     codec_pass_ms_p50: float | None = None
@@ -289,7 +290,7 @@ class FlowControl:
         if not self.feedback or self.config.admission != "reject":
             return None
         limit = self._lead_limit(admitted, step, now)
-        measured = limit if self.leads.reason == "lead" else self.estimate(admitted, step).measured_streams
+        measured = limit if self.leads.reason in ("lead", "codec") else self.estimate(admitted, step).measured_streams
         if self.gateway_behind:
             return self.demand(admitted) if measured is None else min(measured, self.demand(admitted))
         return measured
@@ -305,8 +306,9 @@ class FlowControl:
 
     @property
     def limit_reason(self) -> str:
-        """What bounds admission now: lead (the playing streams' readings), model (the cost model's prediction,
-        before any stream could be read), gateway (an API process lags), slots (admission by free slots)."""
+        """What bounds admission now: lead (the playing streams' readings), codec (the codec's busy share held or
+        backed it off), model (the cost model's prediction, before any stream could be read), gateway (an API
+        process lags), slots (admission by free slots)."""
         if not self.feedback or self.config.admission == "slots":
             return "slots"
         if self.gateway_behind:
@@ -395,6 +397,7 @@ class FlowControl:
             in_codec_frames=in_codec,
             backpressure_skips=self._skips,
             admission_waits=self._waits,
+            refused_requests=self._refused,
             first_push_frames_last=self._first_push_last,
             first_push_frames_mean=round(self._first_push_total / self._first_push_count, 3)
             if self._first_push_count else None,

@@ -11,8 +11,11 @@ reader, out of its first `MIN_AGE_S`):
 
 The **codec's load** is read beside them: the share of the last second it spent in passes. A codec
 working back to back is full whatever the streams' production says (its backlog holds a stream back
-only once it reaches `max_undecoded_frames`, a second of audio later), so past `CODEC_BUSY_HOLD` it
-counts as a falling stream would: admission holds, and past `CODEC_BUSY_BACK_OFF` it backs off.
+only once it reaches `max_undecoded_frames`, a second of audio later), so past `CODEC_BUSY_HOLD`
+admission holds (not even the prediction raises the limit), and past `CODEC_BUSY_BACK_OFF` it backs off
+(reason `codec`). This reading needs no stream old enough to read, and it is applied whether or not there
+is one: on a host whose codec is the bottleneck (SNAC on a CPU) short utterances spend most of their lives
+younger than `MIN_AGE_S`, so the prediction would otherwise rule while the codec runs back to back.
 
 A stream **keeps real time** when its client's buffer is nearly full (it is ahead: flow control holds it),
 or when its lead, carried forward `HORIZON_S` at its production less the margin, stays above
@@ -40,15 +43,17 @@ The limit (streams admission allows) moves on those readings, never on a predict
   cold or idle server's prediction can be a small fraction of what it carries, and rising 1.25x at a time
   from it turns requests away (`reject`) or keeps them waiting for seconds;
 - **hold** (admit nobody more) while more fall, up to `fall_share` of them, or while the gateway lags or
-  the codec is busy;
+  the codec is busy (whether or not any stream can be read);
 - **back off** when more fall: to `demand * median production / (1 + margin)` where production fell short,
   else (clients ran dry while production kept up) to the share of streams keeping real time, never below
-  half and at most 95% of demand; for a codec busy past `CODEC_BUSY_BACK_OFF`, to `demand *
-  CODEC_BUSY_HOLD / codec_busy`; once per `WINDOW_S`, so a back-off is measured before the next. Streams
+  half and at most 95% of demand; for a codec busy past `CODEC_BUSY_BACK_OFF` (whether or not any stream
+  can be read), to `demand * CODEC_BUSY_HOLD / codec_busy`; once per `WINDOW_S`, so a back-off is measured
+  before the next. Streams
   already playing are never cut: fewer are admitted as they end.
 
 The limit never drops below the streams keeping real time now: admission never holds back what the
-pipeline is serving well. Before any stream has played long enough to be read (a cold server, or an idle
+pipeline is serving well. The one exception is a codec past `CODEC_BUSY_BACK_OFF`: it is over capacity
+now, and the streams' leads only hide that while its queue grows. Before any stream has played long enough to be read (a cold server, or an idle
 one) the cost model's prediction may raise the limit (`model`): it predicts the first ramp, and never pulls
 the limit below what the last readings allowed. Pure Python; the scheduler calls it under its lock.
 """
@@ -102,7 +107,7 @@ class LeadAdmission:
         self.max_server_buffer_s = max_server_buffer_s
         self.fall_share = fall_share
         self.limit: int | None = None  # None until the first reading or prediction
-        self.reason = "model"  # model | lead (what set the limit last)
+        self.reason = "model"  # model | lead | codec (what set the limit last)
         self.last: LeadReading | None = None
         self._last_tick = -math.inf
         self._last_grow = -math.inf
@@ -177,32 +182,48 @@ class LeadAdmission:
 
     def _decide(self, now: float, reading: LeadReading, demand: int, model_limit: int, lag_s: float,
                 refused: bool = False) -> None:
+        codec = reading.codec_busy or 0.0
         if reading.playing == 0:
             # Nothing to read (cold, idle, or every stream too young): the prediction may ramp up again, but not
             # below what the last readings allowed.
-            self.limit, self.reason = max(model_limit, self.limit or 0), "model"
-            return
+            limit, floor, self.reason = max(model_limit, self.limit or 0), 1, "model"
+        else:
+            limit, floor, self.reason = self._from_streams(now, reading, demand, model_limit, lag_s, refused), \
+                reading.keeping, "lead"
+        # The codec's load is a reading of its own, whether or not any stream is old enough to be read: short
+        # utterances on a host whose codec is the bottleneck (SNAC on a CPU) spend most of their lives too young
+        # to read, while the codec runs back to back.
+        if codec > CODEC_BUSY_HOLD:  # nobody more: not even the prediction raises the limit
+            held = min(limit, demand, limit if self.limit is None else self.limit)
+            if codec > CODEC_BUSY_BACK_OFF:
+                if now - self._last_back_off >= WINDOW_S:
+                    held = min(held, math.floor(demand * CODEC_BUSY_HOLD / codec))
+                    self._last_back_off = now
+                # A codec past its back-off is over capacity now: the streams' leads only hide it for a while
+                # (each push waits behind the others), so the streams keeping real time are no floor.
+                floor = 1
+            if held < limit:
+                limit, self.reason = held, "codec"
+        self.limit = max(limit, floor, 1)
+
+    def _from_streams(self, now: float, reading: LeadReading, demand: int, model_limit: int, lag_s: float,
+                      refused: bool) -> int:
+        """The limit the playing streams' readings allow (the codec's load is applied after)."""
         limit = self.limit if self.limit is not None else model_limit
-        self.reason = "lead"
         codec = reading.codec_busy or 0.0
-        if reading.falling > self.fall_share * reading.playing or codec > CODEC_BUSY_BACK_OFF:
+        if reading.falling > self.fall_share * reading.playing:
             if now - self._last_back_off >= WINDOW_S:
-                share = MAX_BACK_OFF
-                if reading.falling > self.fall_share * reading.playing:
-                    if reading.median is not None and reading.median < 1 + self.margin:  # production fell short
-                        share = min(share, reading.median / (1 + self.margin))
-                    else:  # production kept up, clients ran dry: what reaches them is the limit
-                        share = min(share, max(0.5, reading.keeping / reading.playing))
-                if codec > CODEC_BUSY_BACK_OFF:
-                    share = min(share, CODEC_BUSY_HOLD / codec)
-                limit = min(limit, math.floor(demand * share))
+                if reading.median is not None and reading.median < 1 + self.margin:  # production fell short
+                    share = min(MAX_BACK_OFF, reading.median / (1 + self.margin))
+                else:  # production kept up, clients ran dry: what reaches them is the limit
+                    share = min(MAX_BACK_OFF, max(0.5, reading.keeping / reading.playing))
                 self._last_back_off = now
-            else:
-                limit = min(limit, demand)
-        elif (reading.falling > int(GROW_FALL_SHARE * reading.playing) or codec > CODEC_BUSY_HOLD
-              or lag_s > self.grow_lag_s):
-            limit = min(limit, demand)
-        elif (demand >= limit or refused) and now - self._last_grow >= GROW_EVERY_S:
+                return min(limit, math.floor(demand * share))
+            return min(limit, demand)
+        if reading.falling > int(GROW_FALL_SHARE * reading.playing) or codec > CODEC_BUSY_HOLD \
+                or lag_s > self.grow_lag_s:
+            return min(limit, demand)
+        if (demand >= limit or refused) and now - self._last_grow >= GROW_EVERY_S:
             demand = max(demand, limit)  # a refusal: demand was at the limit when it came
             target = limit + max(1, math.ceil(0.1 * limit)) if reading.median is None \
                 else math.floor(demand * reading.median / (1 + self.margin))
@@ -212,6 +233,6 @@ class LeadAdmission:
             if (reading.slowest is not None and reading.slowest >= SLOW_START_PACE * (1 + self.margin)
                     and codec < CODEC_BUSY_HOLD / 2):
                 factor = SLOW_START_FACTOR  # far from every bound: a cold server's ramp
-            limit = min(max(target, limit + 1), math.ceil(limit * factor))
             self._last_grow = now
-        self.limit = max(limit, reading.keeping, 1)
+            return min(max(target, limit + 1), math.ceil(limit * factor))
+        return limit
