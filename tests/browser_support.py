@@ -61,7 +61,7 @@ class Tab:
 
     page: Page
     errors: list[str] = field(default_factory=list)
-    # Every wait's window is the reference machine's, stretched by this (tests/pace.py: MachinePace.slowness).
+    # Every wait's window is the reference machine's, stretched by this (tests/pace.py: MachinePace.stretch(), capped).
     slowness: float = 1.0
 
     def window(self, reference_s: float) -> float:

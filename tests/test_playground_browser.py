@@ -73,7 +73,7 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def tab(browser: Any, server: ServerThread, pace: MachinePace) -> Iterator[Tab]:
-    tab = open_tab(browser, f"{server.base_url}/", slowness=pace.slowness)
+    tab = open_tab(browser, f"{server.base_url}/", slowness=pace.stretch())
     tab.wait("document.querySelectorAll('#voice option[value]:not([value=\"\"])').length", 20, "voices listed")
     yield tab
     tab.page.context.close()
@@ -360,7 +360,7 @@ def test_downloads_the_last_utterance_as_wav_and_any_format_through_rest(tab: Ta
 def test_plays_through_scheduled_buffers_where_there_is_no_audio_worklet(browser: Any, server: ServerThread,
                                                                         pace: MachinePace) -> None:
     """Pages served over plain http to another machine get no AudioWorklet; ?player=scheduled is that path."""
-    tab = open_tab(browser, f"{server.base_url}/playground?player=scheduled", slowness=pace.slowness)
+    tab = open_tab(browser, f"{server.base_url}/playground?player=scheduled", slowness=pace.stretch())
     try:
         tab.wait("document.querySelectorAll('#voice option').length === 8", 20, "voices listed")
         _speak(tab, "Hello there, and welcome.")
@@ -375,7 +375,7 @@ def test_plays_through_scheduled_buffers_where_there_is_no_audio_worklet(browser
 
 def test_api_key_wrong_one_reads_clearly_and_right_one_works(browser: Any, keyed_server: ServerThread,
                                                              pace: MachinePace) -> None:
-    tab = open_tab(browser, f"{keyed_server.base_url}/", slowness=pace.slowness)
+    tab = open_tab(browser, f"{keyed_server.base_url}/", slowness=pace.stretch())
     page = tab.page
     try:
         # The page and its files are open; the API needs the key, and the page says so.
