@@ -11,6 +11,7 @@ The script runs it inside the image (chroot, as the image's user), so the client
 packages: httpx, websockets, grpcio and the package's generated stubs; nothing from the host's environment.
 `--healthcheck` is the image's HEALTHCHECK as `podman image inspect` gives it ({"Test": ["CMD", ...]}),
 run as Docker would run it. Every check prints one line; the first failure raises with what was seen.
+tests/test_container_drain.py runs `drain` against a server process on the host, on the same tiny models.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -205,6 +207,21 @@ class Stream:
         return timed_frames / span if span > 0 else float("inf")
 
 
+def check_whole(stream: Stream, asked_frames: int, when: str) -> None:
+    """A stream asked for `asked_frames` frames (max_tokens = 7 a frame) got all of their audio: it ran to
+    its limit (`length`: with their seeds, the tiny models do not end these streams early, up to
+    DRAIN_MAX_FRAMES; and a server that cut one short could report `length` too) and its client received
+    every sample of every frame, as many as the server's own metrics count. Bytes that match a short count,
+    or a count that matches short bytes, fail."""
+    expected = asked_frames * SAMPLES_PER_FRAME
+    check(stream.finish_reason == "length" and stream.samples == expected and stream.audio_bytes == 2 * expected,
+          f"the {stream.protocol} stream ended whole {when}: {asked_frames} frames asked, "
+          f"{stream.audio_bytes // 2} samples received ({stream.audio_bytes / 2 / 24000:.2f} s), "
+          f"finish_reason {stream.finish_reason!r}",
+          f"finish_reason {stream.finish_reason!r}, {stream.audio_bytes} bytes received and {stream.samples} "
+          f"samples reported, {expected} samples ({2 * expected} bytes) asked")
+
+
 async def ws_stream(url: str, stream: Stream, max_tokens: int) -> Stream:
     ws_url = url.replace("http://", "ws://", 1) + "/v1/audio/stream"
     async with ws_connect(ws_url, max_size=None) as ws:
@@ -242,6 +259,8 @@ async def measured_frames_per_s(args: argparse.Namespace) -> float:
     ws, rpc = Stream("WebSocket"), Stream("gRPC")
     await asyncio.wait_for(asyncio.gather(ws_stream(args.url, ws, CALIBRATION_TOKENS),
                                           grpc_stream(args.grpc, rpc, CALIBRATION_TOKENS)), 300)
+    for stream in (ws, rpc):
+        check_whole(stream, CALIBRATION_TOKENS // TOKENS_PER_FRAME, "(the speed measurement)")
     return min(ws.frames_per_s, rpc.frames_per_s)
 
 
@@ -269,8 +288,9 @@ async def drain_checks(args: argparse.Namespace) -> None:
     grace_s, client_buffer_s = config.server.shutdown_grace_s, config.scheduler.max_client_buffer_s
     frames_per_s = await measured_frames_per_s(args)
     frames = drain_frames(frames_per_s, grace_s, client_buffer_s)
-    check(True, f"measured {frames_per_s:.1f} frames/s per stream: drain streams of {frames} frames "
-                f"({frames * FRAME_S:.1f} s of audio) in a {grace_s:g} s window")
+    check(DRAIN_MIN_FRAMES <= frames <= DRAIN_MAX_FRAMES and math.isfinite(frames_per_s) and frames_per_s > 0,
+          f"measured {frames_per_s:.1f} frames/s per stream: drain streams of {frames} frames "
+          f"({frames * FRAME_S:.1f} s of audio) in a {grace_s:g} s window", (frames_per_s, frames))
     ws, rpc = Stream("WebSocket"), Stream("gRPC")
     tasks = [asyncio.create_task(ws_stream(args.url, ws, frames * TOKENS_PER_FRAME)),
              asyncio.create_task(grpc_stream(args.grpc, rpc, frames * TOKENS_PER_FRAME))]
@@ -282,7 +302,10 @@ async def drain_checks(args: argparse.Namespace) -> None:
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         raise CheckFailed(f"the streams were not both under way before the signal: {ws.audio_bytes} WebSocket "
                           f"and {rpc.audio_bytes} gRPC audio bytes; {outcomes}")
-    check(True, f"a WebSocket and a gRPC stream have {SIGNAL_AFTER_FRAMES} frames out each")
+    under_way = 2 * SAMPLES_PER_FRAME * SIGNAL_AFTER_FRAMES
+    check(ws.audio_bytes >= under_way and rpc.audio_bytes >= under_way and not any(t.done() for t in tasks),
+          f"a WebSocket and a gRPC stream have {SIGNAL_AFTER_FRAMES} frames out each and are still running",
+          f"{ws.audio_bytes} and {rpc.audio_bytes} bytes")
 
     signalled = time.monotonic()
     os.kill(args.server_pid, signal.SIGTERM)
@@ -302,13 +325,12 @@ async def drain_checks(args: argparse.Namespace) -> None:
     check(status == "NOT_SERVING", "gRPC health while draining: NOT_SERVING", status)
 
     for stream in await asyncio.wait_for(asyncio.gather(*tasks), 120):
-        check(stream.finish_reason in ("stop", "length") and stream.audio_bytes == 2 * stream.samples,
-              f"the {stream.protocol} stream ended whole across SIGTERM: {stream.samples / 24000:.2f} s, "
-              f"finish_reason {stream.finish_reason!r}",
-              (stream.finish_reason, stream.audio_bytes, stream.samples))
+        check_whole(stream, frames, "across SIGTERM")
         after = sum(1 for arrival in stream.arrivals if arrival > signalled)
         check(after > 0, f"the {stream.protocol} stream received {after} audio messages after the signal")
-    print(f"  ok  both streams finished {time.monotonic() - signalled:.2f} s after SIGTERM", flush=True)
+    finished_s = time.monotonic() - signalled
+    check(finished_s <= grace_s, f"both streams finished {finished_s:.2f} s after SIGTERM, inside the "
+                                 f"{grace_s:g} s drain window", f"{finished_s:.2f} s")
 
 
 def main(argv: list[str] | None = None) -> int:

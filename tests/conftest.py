@@ -47,11 +47,12 @@ SHARD_WEIGHTS_S = {
     "test_flow_control.py": 125, "test_elevenlabs_hostile.py": 125, "test_elevenlabs_clients.py": 110,
     "test_gateway_limits.py": 110, "test_observability.py": 85, "test_fuzz.py": 80, "test_crash_loop.py": 80,
     "test_cartesia.py": 80, "test_riva.py": 80, "test_gateway_e2e.py": 80, "test_codec_stateful.py": 60,
-    "test_cartesia_clients.py": 60, "test_lora.py": 55, "test_slow_readers.py": 50, "test_cartesia_http.py": 50,
+    "test_cartesia_clients.py": 60, "test_lora.py": 55, "test_slow_readers.py": 65, "test_cartesia_http.py": 50,
     "test_custom_voices.py": 50, "test_llama.py": 50, "test_api_processes.py": 45, "test_service.py": 45,
     "test_openai_clients.py": 40, "test_ws_contexts.py": 40, "test_gateway_load.py": 35, "test_soak.py": 35,
     "test_container_files.py": 30, "test_playground.py": 25, "test_telephony.py": 25, "test_submit_burst.py": 20,
     "test_hostile_input.py": 20, "test_contexts.py": 20, "test_split_parity.py": 15, "test_trtllm_engine.py": 15,
+    "test_container_drain.py": 15,
 }
 # The last shard also runs scripts/test.sh's in-process pass afterwards: it starts this much behind.
 IN_PROCESS_PASS_S = 110

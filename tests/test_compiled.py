@@ -1,26 +1,31 @@
 """`engine.compile` (engines/compiled.py): the decode pass under torch.compile, on inductor's CPU backend.
 
 Inductor generates and builds C++ for the CPU (gcc): minutes per compilation on a small shared machine.
-So the default lane runs the decode-pass check with the "aot_eager" backend (dynamo's and AOTAutograd's
-tracing with the dynamic batch, no code generation: seconds), and the same check on inductor, the engine
-end to end and the on-disk cache across a restart are `slow`. Tolerance: fp32 logits within
+So the default lane runs the decode-pass check and the engine end to end with the "aot_eager" backend
+(dynamo's and AOTAutograd's tracing with the dynamic batch, no code generation: seconds), and the same checks
+on inductor and the on-disk cache across a restart are `slow`. The eager reference is always a second model
+or engine with its own KV cache, so the compiled pass is checked against what it wrote itself; a counting
+backend shows that the compiled code ran each step and that nothing compiled again. Tolerance: fp32 logits within
 1e-4 of eager (inductor fuses and reorders reductions; the tiny model's logits are of order 1).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from orpheus_serve import token_format as P
 from orpheus_serve.engines.compiled import CompiledDecode
-from orpheus_serve.engines.llama import LlamaConfig, load_transformer
+from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer
 from orpheus_serve.engines.lora import LoraBatch, LoraPool, read_peft_adapter
 from orpheus_serve.engines.torch_engine import TorchEngine
 from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
@@ -29,20 +34,59 @@ from orpheus_serve.weights.tiny import write_lora_adapters
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LOGITS_ATOL = 1e-4
+KV_ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class CountingBackend:
+    """torch.compile's `backend` by name, counting its compilations and every call into the code it compiled:
+    a decode that fell back to eager, or that recompiled, shows in the counts."""
+
+    def __init__(self, backend: str) -> None:
+        self.inner = torch._dynamo.lookup_backend(backend)
+        self.compiles = 0
+        self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        self.compiles += 1
+        compiled = self.inner(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return compiled(*args)
+
+        return run
+
+
+def assert_same_kv(got: Transformer, expected: Transformer, what: str) -> None:
+    """Every layer's K and V cache, all of it: what each model wrote itself."""
+    for i, (mine, theirs) in enumerate(zip(got.layers, expected.layers, strict=True)):
+        for name in ("k_cache", "v_cache"):
+            torch.testing.assert_close(getattr(mine.attention.kv_cache, name), getattr(theirs.attention.kv_cache, name),
+                                       rtol=0, atol=KV_ATOL, msg=lambda m, i=i, name=name: f"{what}, layer {i} {name}: {m}")
 
 
 @pytest.mark.parametrize(("backend", "with_lora"), [
     ("aot_eager", False), ("aot_eager", True), pytest.param("inductor", False, marks=pytest.mark.slow)])
 def test_compiled_decode_equals_eager_for_every_batch_size(tiny_orpheus: Path, tmp_path: Path, backend: str,
                                                             with_lora: bool) -> None:
-    """One compilation (dynamic batch) serves batches of 3, 5 and 1: logits within LOGITS_ATOL of the eager
-    pass, the same greedy tokens, and the same KV cache written; with LoRA, rows on mixed adapters (the torch
-    path: the kernels' own path needs CUDA)."""
+    """Two models, each with its own KV cache: the same prompts prefilled into both, then decode steps of 3,
+    5, 1 and 2 rows over growing contexts, eager on one and compiled on the other. Each step: logits within
+    LOGITS_ATOL, the same greedy tokens, and the same K and V caches, each written by its own pass (so a
+    step reads what the compiled pass wrote before it). Every step runs the compiled code; after the first
+    two (kv_len symbolic from its second value), nothing recompiles. With LoRA, rows on mixed adapters (the
+    torch path: the kernels' own path needs CUDA)."""
     torch._dynamo.reset()
-    model = load_transformer(tiny_orpheus, dtype=torch.float32, device="cpu")
-    model.setup_caches(num_slots=6, max_seq_len=32)
-    compiled = CompiledDecode(model, cache_dir=tmp_path / "cache", backend=backend)
+    slots_total, max_seq_len = 6, 48
+
+    def model() -> Transformer:
+        m = load_transformer(tiny_orpheus, dtype=torch.float32, device="cpu")
+        m.setup_caches(num_slots=slots_total, max_seq_len=max_seq_len)
+        return m
+
+    eager_model, compiled_model = model(), model()
+    counter = CountingBackend(backend)
+    compiled = CompiledDecode(compiled_model, cache_dir=tmp_path / "cache", backend=counter)
     pool = None
     if with_lora:
         config = LlamaConfig.from_folder(tiny_orpheus)
@@ -52,20 +96,36 @@ def test_compiled_decode_equals_eager_for_every_batch_size(tiny_orpheus: Path, t
             pool.write(entry, read_peft_adapter(tmp_path / "adapters" / f"voice{entry - 1}", config, max_rank=8))
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "cache").resolve())
     gen = torch.Generator().manual_seed(4)
-    kv_len = 16
+    lengths = torch.randint(4, 12, (slots_total,), generator=gen)
+    last = torch.zeros(slots_total, dtype=torch.int64)
     with torch.inference_mode():
-        for batch in (3, 5, 1):
-            tokens = torch.randint(0, 150_000, (batch,), generator=gen)
-            slots = torch.randperm(6, generator=gen)[:batch]
-            positions = torch.randint(0, kv_len, (batch,), generator=gen)
+        for slot in range(slots_total):  # the same prompt into both caches (prefill is eager either way)
+            prompt = torch.randint(0, 150_000, (int(lengths[slot]),), generator=gen)
+            for m in (eager_model, compiled_model):
+                m.prefill(prompt, slot, 0)
+            last[slot] = int(prompt[-1])
+        assert_same_kv(compiled_model, eager_model, "after prefill")
+        # The same three rows twice (kv_len one longer: it turns symbolic), then other sizes and rows.
+        batches = (3, 3, 5, 1, 3, 5, 1, 2)
+        for step, batch in enumerate(batches):
+            slots = torch.arange(3) if step < 2 else torch.randperm(slots_total, generator=gen)[:batch]
+            positions = lengths[slots].clone()
+            kv_len = int(positions.max()) + 1
+            tokens = last[slots].clone()
             lora = None if pool is None else LoraBatch.on_device(pool, (torch.arange(batch) + 1) % 3, kernel=False)
-            eager = model.logits(model.decode(tokens, slots, positions, kv_len, lora))
-            k_eager = [layer.attention.kv_cache.k_cache.clone() for layer in model.layers]
-            got = model.logits(compiled(tokens, slots, positions, kv_len, lora))
+            eager = eager_model.logits(eager_model.decode(tokens, slots, positions, kv_len, lora))
+            calls = counter.calls
+            got = compiled_model.logits(compiled(tokens, slots, positions, kv_len, lora))
+            assert counter.calls == calls + 1, f"step {step}: the decode did not run the compiled code"
             torch.testing.assert_close(got, eager, rtol=0, atol=LOGITS_ATOL)
             assert torch.equal(got.argmax(-1), eager.argmax(-1))
-            for layer, k in zip(model.layers, k_eager, strict=True):
-                torch.testing.assert_close(layer.attention.kv_cache.k_cache, k, rtol=0, atol=1e-5)
+            assert_same_kv(compiled_model, eager_model, f"after decode step {step} (batch {batch})")
+            lengths[slots] += 1
+            last[slots] = eager.argmax(-1)
+            if step == 1:
+                compiles = counter.compiles
+                assert compiles == 2, compiles  # one compilation, one more as kv_len turns symbolic
+        assert counter.compiles == compiles, f"recompiled: {counter.compiles} compilations, {compiles} after two steps"
     if backend == "inductor":
         assert any((tmp_path / "cache").iterdir())  # inductor's code went into the configured folder
 
@@ -86,20 +146,36 @@ def greedy_run(engine: TorchEngine, sessions: int, steps: int) -> list[list[int]
     return tokens
 
 
-@pytest.mark.slow
-def test_compiled_engine_gives_eager_greedy_tokens(tiny_orpheus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_engine_gives_eager_greedy_tokens(tiny_orpheus: Path, tmp_path: Path, backend: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """engine.compile end to end: warm-up at start (its time reported), then steps of several sizes and
-    growing contexts, the greedy tokens of the eager engine."""
+    growing contexts. Two engines, each writing its own KV cache: the compiled one gives the eager one's
+    greedy tokens and ends with the same K and V caches; every decode step ran the compiled code, and the
+    warm-up compiled everything the steps needed (no compilation after it). `backend` stands in for the
+    engine's inductor, counted."""
+    torch._dynamo.reset()
+    counter = CountingBackend(backend)
+    monkeypatch.setattr("orpheus_serve.engines.torch_engine.CompiledDecode",
+                        functools.partial(CompiledDecode, backend=counter))
+
     def engine(compiled: bool) -> TorchEngine:
         return TorchEngine(tiny_orpheus, num_slots=3, max_seq_len=64, device="cpu", dtype="fp32", max_batch_size=4,
                            cuda_graphs=False, compile_decode=compiled, compile_cache_dir=tmp_path / "cache")
 
+    steps = 8
     eager = engine(False)
     assert eager.memory_report().compile_s is None
-    expected = greedy_run(eager, 3, 8)
+    assert counter.compiles == counter.calls == 0
+    expected = greedy_run(eager, 3, steps)
     compiled = engine(True)
     assert compiled.memory_report().compile_s is not None and compiled.compile_s > 0
-    assert greedy_run(compiled, 3, 8) == expected
+    warmed_compiles, warmed_calls = counter.compiles, counter.calls
+    assert warmed_compiles == warmed_calls == 2  # the warm-up's two kv_lens: kv_len symbolic from the second
+    assert greedy_run(compiled, 3, steps) == expected
+    assert counter.calls - warmed_calls == steps, "a decode step did not run the compiled code"
+    assert counter.compiles == warmed_compiles, "a decode step compiled again after the warm-up"
+    assert_same_kv(compiled.model, eager.model, f"after {steps} decode steps")
 
 
 CHILD = """

@@ -8,7 +8,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -21,6 +23,7 @@ from orpheus_serve.engines.sim_engine import SimEngine
 from orpheus_serve.replay import CardProfile, ModelledCard, ProfileError, load_profile
 from orpheus_serve.replay.card import StepTiming
 from orpheus_serve.replay.profile import StepCurve
+from orpheus_serve.scheduler.leads import CODEC_BUSY_HOLD
 from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,26 +187,55 @@ def test_the_sim_codec_takes_the_stateful_decoders_steps(ragged: bool) -> None:
 # ------------------------------------------------------------------ behind a real server
 
 
+def what_sets_the_limit(flow: dict[str, Any]) -> set[str]:
+    """The reasons a flow reading allows (scheduler/leads.py): the streams' leads once one was read, else the
+    cost model's prediction; the codec's load too while it is busy past CODEC_BUSY_HOLD."""
+    reasons = {"lead"} if flow["playing_streams"] else {"model"}
+    if (flow["codec_busy"] or 0.0) > CODEC_BUSY_HOLD:
+        reasons.add("codec")
+    return reasons
+
+
 def test_a_server_replaying_the_card_serves_and_shows_its_admission_inputs(tiny_orpheus: Path) -> None:
     from gateway_support import sim_config, start_server, stats
 
+    # Streams of 60 frames (420 steps of at least 5 ms): long enough to be read (scheduler/leads.py: a stream
+    # is read once it has played MIN_AGE_S), so the limit passes from the model's prediction to the leads.
     server = start_server(sim_config(tiny_orpheus, **{
-        "engine.sim.profile": str(H200), "engine.sim.end_after_frames": 12, "sampling.min_tokens": 7}))
+        "engine.sim.profile": str(H200), "engine.sim.end_after_frames": 60, "sampling.min_tokens": 7}))
     try:
-        def speak(i: int) -> int:
+        cold = stats(server)["flow"]
+        # Cold: nothing to read, so the cost model's prediction bounds admission.
+        assert cold["admission"] == "queue" and cold["playing_streams"] == 0, cold
+        assert cold["limit_reason"] == "model", cold
+
+        def speak(i: int) -> tuple[int, str, int]:
             with httpx.Client(timeout=60.0) as http:
                 r = http.post(f"{server.base_url}/v1/audio/speech",
                               json={"input": f"Replay number {i} of the card.", "response_format": "pcm"})
-                assert r.status_code == 200, r.text
-                return len(r.content)
+                return r.status_code, r.text if r.status_code != 200 else "", len(r.content)
 
-        threads = [threading.Thread(target=speak, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            futures = [pool.submit(speak, i) for i in range(6)]
+            # While they play: once a stream can be read, its reading (not the model) sets the limit.
+            read: dict[str, Any] | None = None
+            deadline = time.monotonic() + 30.0
+            while read is None and time.monotonic() < deadline and not all(f.done() for f in futures):
+                flow = stats(server)["flow"]
+                if flow["playing_streams"]:
+                    read = flow
+                time.sleep(0.05)
+            results = [f.result() for f in futures]  # a request's failure raises here, in this thread
+        for status, text, _ in results:
+            assert status == 200, text
+        sizes = {size for _, _, size in results}
+        assert len(sizes) == 1 and sizes.pop() > 0, results  # each stream its 60 frames' audio, whole
+        assert read is not None, "no stream was ever read while six played"
+        assert read["limit_reason"] in what_sets_the_limit(read), read  # "lead" (or "codec"), never "model"
+        assert read["capacity_streams"] is not None and read["capacity_streams"] >= 1, read
         flow = stats(server)["flow"]
-        assert flow["limit_reason"] in ("lead", "model")
+        # What set the limit last agrees with the last reading.
+        assert flow["limit_reason"] in what_sets_the_limit(flow), flow
         assert flow["loop_period_ms_p50"] >= 5.0  # the card's step at the smallest batch: 5.2 ms
         assert flow["codec_pass_ms_p50"] >= 3.8  # its stateful decoder's launch-bound pass
         assert flow["codec_frames_per_pass"] > 0

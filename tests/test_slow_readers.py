@@ -29,17 +29,23 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
+from orpheus_serve.api.gateway import STREAM_QUEUE_ITEMS
 from orpheus_serve.benchmarking.launch import LaunchedServer
 from orpheus_serve.client import protocols as api_client
+from orpheus_serve.config import Config, load_config, parse_overrides
 from orpheus_serve.proto import orpheus_pb2 as pb
 from orpheus_serve.proto import orpheus_pb2_grpc as pb_grpc
+from orpheus_serve.token_format import SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.gateway_support import ENGINE_PROCESS
 from tests.pace import MachinePace
 
 NORMAL = 8
 SLOW = 20  # read 1 KB/s
 STOPPED = 20  # read the response head, then nothing
-STALL_TIMEOUT_S = 3.0
+# Long enough that a stopped client's session, were the server-side buffer not capped, would generate several
+# times the cap before it is cut off (the memory bound below tells a capped server from one without the cap).
+STALL_TIMEOUT_S = 8.0
+SERVER_BUFFER_S = 1.0  # the server-side buffer's cap (scheduler.max_server_buffer_s): 47 KiB of PCM
 # After the timeout, the time the server may take to notice a client stopped: its socket buffers (~200 KiB
 # with server.socket_send_buffer_bytes at 64 KiB) and the bounded server-side buffer (max_server_buffer_s of
 # audio) fill first, at the sim's generation speed (about 5 s on the reference machine; `fill_slack_s` stretches
@@ -47,6 +53,11 @@ STALL_TIMEOUT_S = 3.0
 FILL_SLACK_S = 12.0
 TCP_ESTABLISHED = 1
 RCVBUF = 4096
+# What a slow or stopped client may cost the server beyond the audio it holds for it (`per_client_bound_kib`):
+# asyncio's write buffer (a transport stops taking writes at its 64 KiB high-water mark, plus the write that
+# crossed it), and the connection, its session and the allocator's rounding.
+WRITE_BUFFER_HIGH_WATER = 64 * 1024
+CONNECTION_OVERHEAD = 48 * 1024
 
 
 def _overrides(tiny_orpheus: Path) -> list[str]:
@@ -55,8 +66,22 @@ def _overrides(tiny_orpheus: Path) -> list[str]:
         f"codec.path={tiny_orpheus.parent / 'tiny-snac'}", "engine.sim.step_base_ms=4.0",
         "scheduler.max_concurrent_sessions=64", "scheduler.max_batch_size=64", "scheduler.max_queue=64",
         "sampling.max_tokens=2800", f"server.stalled_client_timeout_s={STALL_TIMEOUT_S}",
+        f"scheduler.max_server_buffer_s={SERVER_BUFFER_S}",
         "server.max_connections=256", "server.log_level=warning", f"server.engine_process={ENGINE_PROCESS}",
     ]
+
+
+def per_client_bound_kib(config: Config) -> float:
+    """The most memory a client that stops reading may hold at the server, from its configuration: the audio
+    decoded and not taken (the scheduler stops a session past `max_server_buffer_s`, and the frames already at
+    the codec, up to `max_undecoded_frames`, still come), the chunks in its stream's pump (STREAM_QUEUE_ITEMS
+    queued and one being handed over, each at most `max_frames_per_session` frames: a codec pass's share), and
+    the transport's write buffer; plus a connection's overhead. PCM: 2 bytes a sample."""
+    frame = SAMPLES_PER_FRAME * 2
+    chunk = config.codec.max_frames_per_session * frame
+    held = config.scheduler.max_server_buffer_s * SAMPLE_RATE * 2 + config.scheduler.max_undecoded_frames * frame
+    pump = (STREAM_QUEUE_ITEMS + 1) * chunk
+    return (held + pump + WRITE_BUFFER_HIGH_WATER + chunk + CONNECTION_OVERHEAD) / 1024
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +99,12 @@ def server(tiny_orpheus: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("slow-readers") / "server.log"
     with LaunchedServer(_overrides(tiny_orpheus), log_path=log) as launched:
         yield launched
+
+
+@pytest.fixture(scope="module")
+def server_config(tiny_orpheus: Path) -> Config:
+    """The configuration the server runs with (the same overrides, read as its command line reads them)."""
+    return load_config(overrides=parse_overrides(_overrides(tiny_orpheus)))
 
 
 def _rss_kib(pid: int) -> int:
@@ -169,7 +200,8 @@ async def _raw_client(port: int, i: int, read_bytes_per_s: float, duration_s: fl
 
 
 @pytest.mark.core_in_process
-def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: LaunchedServer, fill_slack_s: float) -> None:
+def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: LaunchedServer, server_config: Config,
+                                                                  fill_slack_s: float) -> None:
     """8 normal streams beside 20 clients reading 1 KB/s and 20 that stop reading: the normal ones are
     bit-identical to a run alone, the stopped ones are reset after the stall timeout (their sessions
     cancelled, their slots freed), and the server's memory grows by a bounded amount per client.
@@ -177,8 +209,8 @@ def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: Launc
     The 1 KB/s readers are held back (backpressure) and, at this timeout, cut off as stalled too: the
     server sees a client take audio only when the write of a chunk completes, and once the socket is full
     that waits until asyncio's write buffer has drained from its 64 KiB high-water mark to 16 KiB: 48 KiB,
-    about 48 s at 1 KB/s. So a client slower than about 16 KB/s (a third of real time) counts as stalled
-    at a 3 s timeout. Cut or not, they must not cost the others anything; each one cut counts as stalled."""
+    about 48 s at 1 KB/s. So a client slower than about 6 KB/s (an eighth of real time) counts as stalled
+    at an 8 s timeout. Cut or not, they must not cost the others anything; each one cut counts as stalled."""
     url = f"{server.url}/v1/audio/speech"
     port = server.http_port
     assert server.process is not None
@@ -256,10 +288,11 @@ def test_slow_and_stalled_http_readers_do_not_touch_normal_streams(server: Launc
           f"{reset_times[0]:.1f}-{reset_times[-1]:.1f} s (timeout {STALL_TIMEOUT_S:g} s); slow clients read "
           f"{sum(c['received'] for c in slow)} bytes in all, {slow_reset} of {SLOW} cut off as stalled; "
           f"outcomes {after['gateway']['requests']['rest']}; backpressure skips {flow['backpressure_skips']}")
-    assert growth_mib < 100
-    # Bounded per client: its server-side buffer (max_server_buffer_s = 2 s, 96 KiB of PCM), the items in its
-    # pump and the transport's write buffer (64 KiB), with room for allocator noise.
-    assert per_client_kib < 1024, per_client_kib
+    # Bounded per client by the server's own caps (`per_client_bound_kib`: about 270 KiB here, 47 KiB of it the
+    # server-side buffer); a server without the cap on its side would hold all that a stopped client's session
+    # makes in the STALL_TIMEOUT_S before it is cut off (about 400 KiB measured on a 2-core machine).
+    bound_kib = per_client_bound_kib(server_config)
+    assert per_client_kib < bound_kib, (per_client_kib, bound_kib)
 
 
 # ------------------------------------------------------------ WebSocket and gRPC

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,8 +50,10 @@ def use_cache_dir(cache_dir: str | Path | None) -> Path:
 class CompiledDecode:
     """`Transformer.decode` compiled with a dynamic batch: the same call, the same result to rounding."""
 
-    def __init__(self, model: Transformer, *, cache_dir: str | Path | None = None, backend: str = "inductor") -> None:
-        """`backend`: torch.compile's; "aot_eager" (tracing without code generation) is for fast tests."""
+    def __init__(self, model: Transformer, *, cache_dir: str | Path | None = None,
+                 backend: str | Callable[..., Any] = "inductor") -> None:
+        """`backend`: torch.compile's (a name or a callable); "aot_eager" (tracing without code generation) is
+        for fast tests."""
         self.cache_dir = use_cache_dir(cache_dir)
         self.device = model.output.weight.device
         self._compiled = torch.compile(model.decode, dynamic=None, backend=backend)
