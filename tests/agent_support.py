@@ -21,7 +21,7 @@ from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions
 from livekit.agents.voice.io import AudioOutput, AudioOutputCapabilities
 
 from orpheus_serve.api.launch import ServerThread
-from tests.cartesia_support import before_cancel, cancelled_streams, context_sessions, stop_steps
+from tests.cartesia_support import Stop, await_stop, before_cancel, cancelled_streams, context_sessions
 
 SAMPLE_RATE = 24000
 # An answer the LLM is still writing when its first sentence plays (a word every 50 ms: about 4 s in all).
@@ -112,10 +112,9 @@ class MemoryAudioOutput(AudioOutput):
 
 @dataclass(frozen=True, slots=True)
 class BargeIn:
-    """What a barge-in cost the server, from its own counters (engine steps, streams closed as cancelled)."""
+    """What a barge-in cost the server, from its own records (the token log, streams closed as cancelled)."""
 
-    steps_from_interrupt: int  # engine steps from the user's interruption to the turn's last session ending
-    steps_from_close: int  # engine steps from the server closing the turn's stream to that end
+    stop: Stop  # how the interrupted turn's generation ended, counted from the client's close
     cancelled: int  # streams of the protocol the gateway closed as cancelled meanwhile
     finish_reasons: list[str | None]  # of the interrupted turn's sessions, in order
     next_turn: bytes  # the audio of the turn after it
@@ -126,7 +125,7 @@ async def agent_barge_in(server: ServerThread, plugin: tts.TTS, protocol: str, i
     """An agent answers with `interrupted`; once its first audio plays the user barges in
     (`AgentSession.interrupt()`), then the agent answers `next_reply`. `closes_at_next_turn`: the plugin tells
     the server only when it next synthesizes (LiveKit's Cartesia plugin drops the socket then), so the
-    steps from the interruption are counted from the next turn's start."""
+    close is counted from the next turn's start."""
     session = AgentSession(llm=ScriptedLLM([interrupted, next_reply], gap_s), tts=plugin)
     speaker = MemoryAudioOutput()
     session.output.audio = speaker
@@ -135,17 +134,15 @@ async def agent_barge_in(server: ServerThread, plugin: tts.TTS, protocol: str, i
         session.generate_reply(user_input="Tell me everything.")
         await asyncio.wait_for(speaker.audio_arrived.wait(), 120)  # the agent speaks; the LLM is still writing
         cancelled_before = cancelled_streams(server, protocol)
-        at_interrupt = before_cancel(server, protocol)
+        at_interrupt = before_cancel(server, interrupted[:20], protocol)
         await asyncio.wait_for(session.interrupt(), 30)
         next_started = time.perf_counter()
         if closes_at_next_turn:
-            at_interrupt = before_cancel(server, protocol)
+            at_interrupt = before_cancel(server, interrupted[:20], protocol)
         reply = session.generate_reply(user_input="And then?")
-        from_interrupt, from_close = await stop_steps(server, interrupted[:20], at_interrupt, protocol=protocol,
-                                                      within_s=120)
+        stop = await await_stop(server, interrupted[:20], at_interrupt, protocol=protocol)
         await asyncio.wait_for(reply.wait_for_playout(), 120)
-        return BargeIn(steps_from_interrupt=from_interrupt, steps_from_close=from_close,
-                       cancelled=cancelled_streams(server, protocol) - cancelled_before,
+        return BargeIn(stop=stop, cancelled=cancelled_streams(server, protocol) - cancelled_before,
                        finish_reasons=[e["finish_reason"] for e in context_sessions(server, interrupted[:20])],
                        next_turn=speaker.audio_since(next_started))
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,6 @@ import numpy as np
 from websockets.asyncio.client import connect
 
 from orpheus_serve.api.launch import ServerThread
-from tests.pace import MachinePace
 
 REPLY = ("Sure, I can help with that. The weather today is sunny, with a light breeze from the west. "
          "Tomorrow looks a little cooler, so bring a jacket if you go out. Anything else?")
@@ -81,68 +79,101 @@ def steps(server: ServerThread) -> int:
     return server.server.service.snapshot().core.steps
 
 
-def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, Any]]:
-    """Token-log entries (one per generated text chunk, in order) of the latest request whose first chunk
-    starts with `first_text`."""
+def request_entries(server: ServerThread, first_text: str) -> dict[str, dict[str, Any]]:
+    """Session id -> token-log entry (one per generated text chunk, in order) of the latest request whose
+    first chunk starts with `first_text`."""
     log = server.server.service.token_log
     assert log is not None
     entries = log.snapshot()
     request_ids = [key.rsplit("-", 1)[0] for key, e in entries.items()
                    if key.endswith("-0") and e["text"].startswith(first_text)]
     if not request_ids:
-        return []
+        return {}
     latest = request_ids[-1]  # the log keeps submission order
-    return [e for key, e in entries.items() if key.rsplit("-", 1)[0] == latest]
+    return {key: e for key, e in entries.items() if key.rsplit("-", 1)[0] == latest}
+
+
+def context_sessions(server: ServerThread, first_text: str) -> list[dict[str, Any]]:
+    """Token-log entries (one per generated text chunk, in order) of the latest request whose first chunk
+    starts with `first_text`."""
+    return list(request_entries(server, first_text).values())
 
 
 def cancelled_streams(server: ServerThread, protocol: str = "cartesia") -> int:
     return server.server.gateway.figures()["requests"][protocol].get("cancelled", 0)
 
 
-# Engine steps from the server's cancel to the session's end: the cancel lands between two steps and ends the
-# session at once, and its end goes out with the next step's output; with a step in flight (engine.overlap)
-# that output may be one step later.
-STEPS_AFTER_SERVER_CANCEL = 3
-# From the client's interruption: the way to the server (the client library's own tasks, the socket, the
-# gateway, all sharing the test process's interpreter with a tiny model stepping every ~10 ms) has measured
-# 0-6 steps more on the reference machine alone (tests/pace.py), and 9 beside the suite's other shard, whose
-# load comes and goes within a test and so escapes the run's one calibration; that part is host time, so a
-# slower machine stretches it (`steps_after_client_cancel`). A server that ignored the cancel would run the
-# rest of the answer, hundreds of steps. The server's own bound is STEPS_AFTER_SERVER_CANCEL.
-STEPS_AFTER_CLIENT_CANCEL = STEPS_AFTER_SERVER_CANCEL + 10
+# What must hold after a barge-in's close on any machine, however loaded (the server's own latency, from the
+# close reaching its socket to the engine core dropping the session, is a benchmark figure:
+# scripts/bench_barge_in.py, docs/PERFORMANCE.md). Both count from the client's close, so the client library's
+# way to the server is in them too.
+# - The interrupted answer's sessions end within STOP_WITHIN_S of the close (wall time, the core's own stamp).
+STOP_WITHIN_S = 5.0
+# - Generation stops far short of the answer: after the close its sessions generate at most this share of the
+#   frames their budgets had left (each text chunk's, sampling.max_tokens_for; the answers here have tens of
+#   frames left, hundreds of engine steps), and never less than one flush (two frames) is allowed.
+SHARE_AFTER_CLOSE = 0.5
 
 
-def steps_after_client_cancel(pace: MachinePace) -> int:
-    """Engine steps a session may still take after its client's interruption, on this machine."""
-    return STEPS_AFTER_SERVER_CANCEL + math.ceil((STEPS_AFTER_CLIENT_CANCEL - STEPS_AFTER_SERVER_CANCEL) * pace.slowness)
+@dataclass(frozen=True, slots=True)
+class BeforeClose:
+    """Read just before a client closes (or cancels) an answer's stream."""
+
+    at: float  # time.monotonic()
+    steps: int  # the engine core's steps
+    cancelled: int  # the protocol's streams the gateway closed as cancelled
+    frames: dict[str, int]  # session id -> frames generated so far, of the answer being interrupted
 
 
-def before_cancel(server: ServerThread, protocol: str = "cartesia") -> tuple[int, int]:
-    """(engine steps, the protocol's streams closed as cancelled), read just before a client cancels."""
-    return steps(server), cancelled_streams(server, protocol)
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """How an interrupted answer's generation ended, counted from the client's close (`BeforeClose`)."""
+
+    seconds: float  # to the core ending the answer's last session (its token-log `ended_at`)
+    steps: int  # engine steps to that end (information: their length is the machine's)
+    frames_after: int  # frames the answer's sessions generated after the close
+    frames_left: int  # frames their budgets had left at the close
+    finish_reasons: list[str | None]  # of the answer's sessions, in order
+
+    def check(self) -> None:
+        """What holds on any machine: the answer was cancelled, promptly, far short of its end."""
+        assert self.finish_reasons and self.finish_reasons[-1] == "cancelled", self.finish_reasons
+        assert self.seconds <= STOP_WITHIN_S, self
+        assert self.frames_after <= max(2.0, SHARE_AFTER_CLOSE * self.frames_left), self
 
 
-async def stop_steps(server: ServerThread, first_text: str, before: tuple[int, int], *, within_s: float = 30.0,
-                     protocol: str = "cartesia") -> tuple[int, int]:
-    """Engine steps until every session of the request whose first chunk starts with `first_text` has
-    finished: from `before` (read before the client cancelled, so the way to the server counts), and from
-    the moment the server closed that request's stream (its session cancelled then). Bounded; polls the
-    engine's and the gateway's own counters."""
-    since, cancelled = before
-    closed_at: int | None = None
-    deadline = time.monotonic() + within_s
+def before_cancel(server: ServerThread, first_text: str, protocol: str = "cartesia") -> BeforeClose:
+    """Read just before a client cancels the answer whose first chunk starts with `first_text`."""
+    frames = {key: len(e["frames"]) for key, e in request_entries(server, first_text).items()}
+    return BeforeClose(at=time.monotonic(), steps=steps(server), cancelled=cancelled_streams(server, protocol),
+                       frames=frames)
+
+
+async def await_stop(server: ServerThread, first_text: str, before: BeforeClose, *, protocol: str = "cartesia"
+                     ) -> Stop:
+    """Wait until every session of the answer whose first chunk starts with `first_text` has finished (polls
+    the token log), and say how it ended. The gateway must have closed its stream as cancelled by then. Fails
+    once STOP_WITHIN_S have passed since the close with a session still running (a server that ignores the
+    close keeps it until its session timeout, two minutes)."""
+    deadline = before.at + STOP_WITHIN_S
     while time.monotonic() < deadline:
         # The entries first: a session the core has finished was cancelled by a stream the gateway had
         # closed before (with the core in a process of its own, it may finish between two reads here).
-        entries = context_sessions(server, first_text)
-        now = steps(server)
-        if closed_at is None and cancelled_streams(server, protocol) > cancelled:
-            closed_at = now
-        if entries and all(e["finish_reason"] is not None for e in entries):
-            assert closed_at is not None, "the sessions finished while the stream stayed open"
-            return now - since, now - closed_at
+        entries = request_entries(server, first_text)
+        closed = cancelled_streams(server, protocol) > before.cancelled
+        if entries and all(e["finish_reason"] is not None for e in entries.values()):
+            assert closed, "the sessions finished while the stream stayed open"
+            sampling = server.server.config.sampling
+            last = max(entries.values(), key=lambda e: e["ended_at"])
+            return Stop(seconds=last["ended_at"] - before.at, steps=last["ended_step"] - before.steps,
+                        frames_after=sum(len(e["frames"]) - before.frames.get(key, 0) for key, e in entries.items()),
+                        frames_left=sum(sampling.max_tokens_for(e["text"]) // 7 - before.frames.get(key, 0)
+                                        for key, e in entries.items()),
+                        finish_reasons=[e["finish_reason"] for e in entries.values()])
         await asyncio.sleep(0.001)
-    raise AssertionError(f"the sessions of {first_text!r} did not finish within {within_s}s")
+    reasons = [e["finish_reason"] for e in request_entries(server, first_text).values()]
+    raise AssertionError(f"the sessions of {first_text!r} were still generating {STOP_WITHIN_S} s after the close "
+                         f"(finish reasons {reasons})")
 
 
 async def replay(server: ServerThread, chunks: list[str]) -> bytes:

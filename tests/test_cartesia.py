@@ -30,14 +30,14 @@ from orpheus_serve.service.word_timings import words_of
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
-    STEPS_AFTER_SERVER_CANCEL,
     ContextLog,
+    Stop,
     assert_same_audio,
+    await_stop,
     before_cancel,
-    context_sessions,
+    cancelled_streams,
     generation,
     receive_until,
-    stop_steps,
     ws_url,
 )
 from tests.gateway_support import metric_values, settled_stats, sim_config, stats, tiny_config
@@ -210,7 +210,7 @@ def long_server(tiny_orpheus: Path, tiny_snac: Path, one_torch_thread: None) -> 
 def test_cancel_stops_one_context_and_leaves_the_other_on_the_socket_untouched(long_server: ServerThread) -> None:
     server = long_server
 
-    async def scenario() -> tuple[bytes, ContextLog, ContextLog, int, int]:
+    async def scenario() -> tuple[bytes, ContextLog, ContextLog, Stop, int, int]:
         logs: dict[str, ContextLog] = {}
         async with connect(ws_url(server)) as ws:
             await ws.send(generation("alone", KEPT))
@@ -226,22 +226,20 @@ def test_cancel_stops_one_context_and_leaves_the_other_on_the_socket_untouched(l
                 log.messages.append((0.0, message))
                 if message["type"] == "chunk":
                     log.audio += base64.b64decode(message["data"])
-            at_cancel = before_cancel(server)
+            at_cancel = before_cancel(server, INTERRUPTED[:20])
             await ws.send(json.dumps({"context_id": "stop", "cancel": True}))
-            stopped_within = await stop_steps(server, INTERRUPTED[:20], at_cancel)
+            stopped = await await_stop(server, INTERRUPTED[:20], at_cancel)
+            cancelled = cancelled_streams(server) - at_cancel.cancelled
             received_at_cancel = len(logs["stop"].messages)
             await ws.send(generation("stop", "Text sent after the cancel is dropped.", more=False))
             await receive_until(ws, logs, {"keep"})
-        return alone, logs["stop"], logs["keep"], stopped_within, received_at_cancel
+        return alone, logs["stop"], logs["keep"], stopped, cancelled, received_at_cancel
 
-    alone, stop, keep, stopped_within, received_at_cancel = asyncio.run(scenario())
-    from_send, from_server = stopped_within
-    print(f"engine steps after the cancel: {from_send} from its sending, {from_server} from the server's cancel")
-    # The engine's steps are a few milliseconds here, as short as the cancel's way to the server on a busy
-    # machine: the strict two-step bound is checked with longer steps below; a cancel that did not stop the
-    # context would run on for hundreds of steps.
-    assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= 6, from_send
+    alone, stop, keep, stopped, cancelled, received_at_cancel = asyncio.run(scenario())
+    # How soon the server stops, in milliseconds and engine steps, is scripts/bench_barge_in.py's figure.
+    print(f"after the cancel's sending: {stopped}")
+    stopped.check()
+    assert cancelled == 1
     assert "done" not in stop.kinds and "error" not in stop.kinds
     # What was on its way when the cancel left may still arrive; nothing is generated for it after.
     assert len(stop.messages) - received_at_cancel <= 2
@@ -252,13 +250,13 @@ def test_cancel_stops_one_context_and_leaves_the_other_on_the_socket_untouched(l
     assert snapshot["gateway"]["active_streams"]["cartesia"] == 0
 
 
-def test_a_cancel_stops_generation_within_two_engine_steps(tiny_orpheus: Path) -> None:
-    """Engine steps of 25 ms (the sim engine, pacing like a GPU under load), so the cancel's way from the
-    client to the scheduler is a small part of one step, and the count says what the server does."""
+def test_a_cancel_stops_generation_between_gpu_like_steps(tiny_orpheus: Path) -> None:
+    """Engine steps of 25 ms (the sim engine, pacing like a GPU under load): the cancel stops the context
+    while its answer has most of its frames left, and nothing of it is generated on."""
     config = sim_config(tiny_orpheus, **{"engine.sim.step_base_ms": 25.0})
     server = ServerThread(config, build_service(config, record_tokens=True)).start()
 
-    async def scenario() -> tuple[int, ContextLog]:
+    async def scenario() -> tuple[Stop, ContextLog]:
         logs: dict[str, ContextLog] = {}
         async with connect(ws_url(server)) as ws:
             await ws.send(generation("stop", INTERRUPTED, more=True))
@@ -268,17 +266,14 @@ def test_a_cancel_stops_generation_within_two_engine_steps(tiny_orpheus: Path) -
                 log.messages.append((0.0, message))
                 if message["type"] == "chunk":
                     log.audio += base64.b64decode(message["data"])
-            at_cancel = before_cancel(server)
+            at_cancel = before_cancel(server, INTERRUPTED[:20])
             await ws.send(json.dumps({"context_id": "stop", "cancel": True}))
-            return await stop_steps(server, INTERRUPTED[:20], at_cancel), logs["stop"]
+            return await await_stop(server, INTERRUPTED[:20], at_cancel), logs["stop"]
 
     try:
-        (from_send, from_server), stop = asyncio.run(scenario())
-        print(f"engine steps after the cancel: {from_send} from its sending, {from_server} from the server's cancel")
-        # The step under way when the cancel lands, then the step that frees the slot.
-        assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-        assert from_send <= 3, from_send  # plus, at most, the step the message spent on its way
-        assert [e["finish_reason"] for e in context_sessions(server, INTERRUPTED[:20])][-1] == "cancelled"
+        stopped, stop = asyncio.run(scenario())
+        print(f"after the cancel's sending: {stopped}")
+        stopped.check()
         snapshot = settled_stats(lambda: stats(server))
         assert snapshot["kv_cache"]["used_slots"] == 0
         assert "done" not in stop.kinds

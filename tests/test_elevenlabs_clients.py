@@ -51,18 +51,15 @@ from tests.agent_support import AGENT_INTERRUPTED, AGENT_NEXT, agent_barge_in, r
 from tests.cartesia_support import (
     INTERRUPTED,
     REPLY,
-    STEPS_AFTER_SERVER_CANCEL,
     assert_same_audio,
+    await_stop,
     before_cancel,
     cancelled_streams,
     context_sessions,
     replay,
-    steps_after_client_cancel,
-    stop_steps,
 )
 from tests.elevenlabs_support import TlsRelay, self_signed_certificate
 from tests.gateway_support import settled_stats, stats, tiny_config
-from tests.pace import MachinePace
 
 API_KEY = "sk-agent"
 SENTENCE = "Your table for two is booked at seven tonight."
@@ -279,18 +276,15 @@ def test_livekit_stream_word_by_word_and_synthesize(server: ServerThread) -> Non
     idle(server)
 
 
-def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: ServerThread, pace: MachinePace) -> None:
+def test_livekit_agent_session_barge_in_stops_the_turn_at_once(long_server: ServerThread) -> None:
     """LiveKit's AgentSession on the ElevenLabs plugin: the plugin flushes each sentence and answers
     `interrupt()` with one close_context while the LLM is still writing. That close is a barge-in: the turn's
-    generation stops within a step of it, the stream is counted cancelled, and the next turn is served."""
+    generation stops, the stream is counted cancelled, and the next turn is served."""
     server = long_server
     result = run_with_session(lambda http: agent_barge_in(server, livekit_tts(server, http), "elevenlabs",
                                                           AGENT_INTERRUPTED, AGENT_NEXT))
-    print(f"LiveKit AgentSession (ElevenLabs) barge-in: engine steps (at most one token each) after the "
-          f"interruption: {result.steps_from_interrupt}; after the server's close: {result.steps_from_close}")
-    assert result.finish_reasons and result.finish_reasons[-1] == "cancelled", result.finish_reasons
-    assert result.steps_from_close <= STEPS_AFTER_SERVER_CANCEL, result.steps_from_close
-    assert result.steps_from_interrupt <= steps_after_client_cancel(pace), result.steps_from_interrupt
+    print(f"LiveKit AgentSession (ElevenLabs) barge-in, from the interruption: {result.stop}")
+    result.stop.check()
     assert result.cancelled == 1
     assert result.next_turn and all(e["finish_reason"] in ("stop", "length")
                                     for e in context_sessions(server, AGENT_NEXT[:10]))
@@ -363,7 +357,7 @@ def pipecat_ws(server: ServerThread) -> ElevenLabsTTSService:
 
 
 @pytest.mark.slow  # the longest of these (about 45 s on two shared cores): an answer, a barge-in, another answer
-def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread, pace: MachinePace) -> None:
+def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread) -> None:
     """A whole answer (audio and word timestamps), then one interrupted mid-answer: the context is closed
     without a flush, the server stops its generation, and the next answer on the socket is untouched."""
     server = long_server
@@ -377,10 +371,10 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread, pace: 
         await pipecat_reply(worker, INTERRUPTED, 0.0)
         await recorder.wait_for(TTSAudioRawFrame, count=sum(isinstance(f, TTSAudioRawFrame)
                                                             for _, f in recorder.frames) + 1)
-        at_cancel = before_cancel(server, "elevenlabs")
+        at_cancel = before_cancel(server, INTERRUPTED[:20], "elevenlabs")
         await worker.queue_frame(InterruptionFrame())  # the user starts talking
-        measured["stopped_within"] = await stop_steps(server, INTERRUPTED[:20], at_cancel, protocol="elevenlabs")
-        measured["cancelled"] = cancelled_streams(server, "elevenlabs") - at_cancel[1]
+        measured["stop"] = await await_stop(server, INTERRUPTED[:20], at_cancel, protocol="elevenlabs")
+        measured["cancelled"] = cancelled_streams(server, "elevenlabs") - at_cancel.cancelled
         measured["after"] = len(recorder.frames)
         await pipecat_reply(worker, SENTENCE, 0.0)
         await recorder.wait_for(TTSStoppedFrame, count=2)
@@ -389,13 +383,11 @@ def test_pipecat_websocket_reply_then_barge_in(long_server: ServerThread, pace: 
     assert_same_audio(measured["reply"], asyncio.run(replay(server, measured["chunks"])))
     texts = [f for _, f in recorder.frames if isinstance(f, TTSTextFrame)]
     assert words_of(" ".join(f.text for f in texts))[:len(words_of(REPLY))] == words_of(REPLY)
-    from_send, from_server = measured["stopped_within"]
-    print(f"Pipecat barge-in: engine steps after the interruption: {from_send}; after the server's cancel: "
-          f"{from_server}")
-    assert from_server <= STEPS_AFTER_SERVER_CANCEL, from_server
-    assert from_send <= steps_after_client_cancel(pace), from_send  # at most one token a step
+    stop = measured["stop"]
+    print(f"Pipecat barge-in, from the interruption: {stop}")
+    stop.check()
     assert measured["cancelled"] == 1
-    assert context_sessions(server, INTERRUPTED[:20])[-1]["finish_reason"] == "cancelled"
+    # After the close (the server answers it with isFinal) only the next answer's audio arrives, whole.
     later = b"".join(f.audio for _, f in recorder.frames[measured["after"]:] if isinstance(f, TTSAudioRawFrame))
     assert_same_audio(later, asyncio.run(replay(server, response_chunks(server, SENTENCE))))
     idle(server)

@@ -189,7 +189,7 @@ class EngineCoreProc:
             return False
         if kind == wire.CALL_TOKEN_LOG:
             entries = self._frame_log.read(message[2]) if self._frame_log is not None else {}
-            self._reply(identity, [seq, wire.OK, [[sid, frames, reason] for sid, (frames, reason) in entries.items()]])
+            self._reply(identity, [seq, wire.OK, [[sid, *entry] for sid, entry in entries.items()]])
             return False
         if kind == wire.CALL_SHUTDOWN:
             self._halt()

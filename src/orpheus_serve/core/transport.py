@@ -27,7 +27,7 @@ from ..engines.lora import AdapterError
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import InvalidSessionError, SchedulerFullError
 from . import wire
-from .frame_log import FrameEntries
+from .frame_log import FrameEntries, FrameEntry
 from .wire import CoreAddresses
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class CoreTransport:
 
     def token_frames(self, session_ids: list[str]) -> FrameEntries:
         """The frames and finish reasons the core kept for `session_ids` (a core started with record_tokens)."""
-        return {sid: (frames, reason) for sid, frames, reason in
+        return {sid: FrameEntry(*entry) for sid, *entry in
                 self.call_from_any_thread(wire.CALL_TOKEN_LOG, session_ids)[1]}
 
     async def acall(self, kind: int, *args: Any) -> list[Any]:

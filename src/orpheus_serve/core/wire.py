@@ -11,7 +11,8 @@ API process -> engine core (a DEALER per API process -> the core's ROUTER):
     [CALL_SHUTDOWN, seq]                   answered: [seq, OK]; the core then stops
     [CALL_ADAPTERS, seq, op, name]         answered: [seq, OK, [status, ...]] or [seq, INVALID, reason]
     [CALL_TOKEN_LOG, seq, [session_id, ...]]
-                                           answered: [seq, OK, [[session_id, frames, finish_reason], ...]]
+                                           answered: [seq, OK, [[session_id, frames, finish_reason, ended_at,
+                                           ended_step], ...]] (core.frame_log.FrameEntry's fields)
                                            (a core started with record_tokens; otherwise an empty list)
     [NOTES, api, [[session_id, samples], ...], [cancelled session_id, ...], [released session_id, ...]]
                                            not answered, batched per loop pass; they apply to the

@@ -30,7 +30,9 @@ class SessionFinished:
     """The session is over and its slot is (or is about to be) released.
 
     reason: "stop" (end_of_speech) | "length" (max_tokens) | "cancelled" |
-    "timeout" | "error". Times are seconds relative to the request's arrival."""
+    "timeout" | "error". Times are seconds relative to the request's arrival, except `ended_at`: the
+    scheduler's clock when the session ended (a cancel: when it was applied), which in the server is
+    `time.monotonic()` and so compares across processes (CLOCK_MONOTONIC is system-wide)."""
 
     request_id: str
     reason: str
@@ -38,6 +40,8 @@ class SessionFinished:
     frames: int  # whole frames handed out in FramesReady
     queue_s: float  # arrival -> first prefill chunk (or -> the end, if never admitted)
     first_token_s: float | None  # arrival -> first generated token
+    ended_at: float  # the scheduler's clock at the end
+    step: int  # engine steps read back (scheduler updates) before the end
 
     @property
     def audio_seconds(self) -> float:

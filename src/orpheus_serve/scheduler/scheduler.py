@@ -467,7 +467,8 @@ class Scheduler(SchedulerFeedback):
         first_token_s = None if session.first_token_at is None else session.first_token_at - req.arrival_s
         events.append(SessionFinished(request_id=req.request_id, reason=reason, tokens=session.generated,
                                       frames=session.buffer.flushed_frames,
-                                      queue_s=max(0.0, queue_end - req.arrival_s), first_token_s=first_token_s))
+                                      queue_s=max(0.0, queue_end - req.arrival_s), first_token_s=first_token_s,
+                                      ended_at=now, step=self._step))
 
     def _busy_reason(self, limit: int | None) -> str:
         if limit is not None and self._slots.free_count + len(self._pending_release):

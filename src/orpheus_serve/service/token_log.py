@@ -25,13 +25,14 @@ class TokenLog:
 
     def record(self, session_id: str, text: str, prompt_ids: tuple[int, ...]) -> None:
         self._entries[session_id] = {"text": text, "prompt_ids": list(prompt_ids), "frames": [],
-                                     "finish_reason": None}
+                                     "finish_reason": None, "ended_at": None, "ended_step": None}
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Every entry as of now (a copy; a running session's frames so far). With a split core this is a
-        round trip to it, so read while the core runs (before the service shuts down)."""
+        round trip to it, so read while the core runs (before the service shuts down). `ended_at`
+        (time.monotonic() in the core's process, comparable with this one's) and `ended_step` (the core's
+        engine steps by then): when the session ended, a cancel when the core applied it; None while running."""
         entries = {session_id: dict(entry) for session_id, entry in self._entries.items()}
-        for session_id, (frames, finish_reason) in self._frames(list(entries)).items():
-            entries[session_id]["frames"] = frames
-            entries[session_id]["finish_reason"] = finish_reason
+        for session_id, entry in self._frames(list(entries)).items():
+            entries[session_id].update(entry._asdict())
         return entries
