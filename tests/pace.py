@@ -21,13 +21,10 @@ check that cannot fail says nothing. One slow calibration is measured again befo
 burst from another process should not fail a module.
 
 The reference (`REFERENCE_ROUND_S`, 35 ms): `python -m tests.pace --runs 8` (each run: one warm-up round, then
-the median of `ROUNDS` rounds) on the 2-core reference machine (AMD EPYC, torch 2.13.0 CPU build, one torch
-thread as tests/conftest.py sets). That machine is shared with other people's work and was never idle while this
-was measured (`uptime` load average 1.2-3.8 on its 2 cores), so the batch of eight runs was taken ten times
-over fourteen minutes and the lowest medians taken as the closest to idle there was: the steadiest batch (load
-1.7) gave run medians of 34.1-35.5 ms (34.8 ms their median), and the lowest run median of each other batch was
-33.7-37.6 ms (35.8 ms in the least loaded, at 1.2) but for one at 49.6 ms; the busiest batch's run medians had
-a median of 72 ms.
+the median of `ROUNDS` rounds) on the idle 2-core reference machine (AMD EPYC, torch 2.13.0 CPU build, one torch
+thread as tests/conftest.py sets; load average 0.4 before it started, nothing else running): run medians
+33.9-43.0 ms, 34.9 ms their median (the first run 43 ms, the other seven 33.9-36.7). The same command beside
+other work on those cores gave 34-38 ms at a load average of 1.2-1.7 and medians of about 72 ms at 3.7.
 """
 
 from __future__ import annotations
