@@ -95,3 +95,23 @@ def test_codec_compile_is_refused_where_it_would_do_nothing() -> None:
     with pytest.raises(ConfigError, match="compile applies to the windowed and reference decoders"):
         load_config(overrides=["codec.compile=true"])
     assert load_config(overrides=["codec.compile=true", "codec.decoder=windowed"]).codec.compile
+
+
+def test_cpu_threads_auto_splits_the_cores_between_the_engine_and_the_codec() -> None:
+    """engine.cpu_threads (core/build.py): batched on a CPU, half the cores each for the engine's and the codec's
+    threads; baseline mode, an operator's OMP_NUM_THREADS, or a pipeline off the CPU keep torch's own."""
+    from orpheus_serve.config import load_config
+    from orpheus_serve.core.build import cpu_threads
+
+    cpu = load_config(None, overrides=["engine.device=cpu", "codec.device=cpu"])
+    assert cpu_threads(cpu, environ={}, cores=8) == 4
+    assert cpu_threads(cpu, environ={}, cores=1) == 1
+    assert cpu_threads(cpu, environ={"OMP_NUM_THREADS": "3"}, cores=8) is None
+    baseline = load_config(None, overrides=["engine.device=cpu", "engine.mode=baseline"])
+    assert cpu_threads(baseline, environ={}, cores=8) is None
+    gpu = load_config(None, overrides=["engine.device=cuda", "codec.device=cuda"])
+    assert cpu_threads(gpu, environ={}, cores=8) is None
+    fixed = load_config(None, overrides=["engine.cpu_threads=3"])
+    assert cpu_threads(fixed, environ={"OMP_NUM_THREADS": "1"}, cores=8) == 3
+    with pytest.raises(ConfigError):
+        load_config(None, overrides=["engine.cpu_threads=0"])

@@ -173,8 +173,19 @@ class EngineConfig(_Strict):
     # A folder where the engine core takes profiling requests: write a step count into DIR/arm and the next that
     # many engine-core steps are profiled into DIR/profile.json (engines/profiling.py; the GPU kit's serve stage).
     profile_dir: str | None = None
+    # Torch's intra-op threads where the engine core runs (core/build.py: cpu_threads). auto: with the engine or
+    # the codec on the CPU in batched mode, half the cores this process may use, since the engine's steps and the
+    # codec's passes run side by side on threads of their own (each with its own team of intra-op threads, which
+    # otherwise spin against each other); baseline mode, a GPU-only pipeline, or OMP_NUM_THREADS set: torch's own.
+    cpu_threads: int | Literal["auto"] = Field("auto")
     tensorrt: TensorRTConfig = TensorRTConfig()
     sim: SimConfig = SimConfig()
+
+    @model_validator(mode="after")
+    def _threads(self) -> EngineConfig:
+        if self.cpu_threads != "auto" and self.cpu_threads < 1:
+            raise ValueError("engine.cpu_threads must be auto or at least 1")
+        return self
 
 
 class SamplingConfig(_Strict):

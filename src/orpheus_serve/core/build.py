@@ -7,6 +7,8 @@ the API side (service.build) calls `resolve_models` too, for the tokenizer path 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +57,44 @@ def resolve_models(config: Config) -> ResolvedModels:
     return ResolvedModels(config=config, info=info, tokenizer_path=str(paths.tokenizer_path))
 
 
+def cpu_threads(config: Config, *, environ: Mapping[str, str] = os.environ, cores: int | None = None) -> int | None:
+    """Torch intra-op threads for the process the engine core runs in (`engine.cpu_threads`), or None for torch's
+    own choice. auto, in batched mode with the engine or the codec on the CPU: half the cores this process may
+    run on. The engine's steps and the codec's passes run side by side on two threads, each fanning its ops out
+    to a team of intra-op threads; with a team as wide as the machine, two teams spin against each other (on 2
+    cores the codec's passes ran 20-30% longer and the core burned a third more CPU a token:
+    docs/PERFORMANCE.md). Baseline mode keeps torch's default, as the reference implementation does; so does a
+    pipeline wholly on a GPU, and an OMP_NUM_THREADS the operator set."""
+    from ..config import resolve_device
+
+    wanted = config.engine.cpu_threads
+    if wanted != "auto":
+        return wanted
+    if config.engine.mode != "batched" or "OMP_NUM_THREADS" in environ:
+        return None
+    on_cpu = config.engine.backend != "sim" and resolve_device(config.engine.device) == "cpu"
+    on_cpu = on_cpu or (config.codec.decoder != "sim" and resolve_device(config.codec.device) == "cpu")
+    if not on_cpu:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // 2)
+
+
 def build_engine_and_decoder(config: Config) -> tuple[TokenEngine, StreamingDecoder, str]:
     """Engine, decoder and the codec's device from a config whose model paths are resolved
     (`resolve_models`). Runs where the engine core runs: this process, or the engine-core process."""
+    import torch
+
     from ..codec import build_decoder, load_snac
     from ..codec.sim import SimDecoder
     from ..config import resolve_device, resolve_dtype
     from ..engines.factory import create_engine
 
+    threads = cpu_threads(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        log.info("torch intra-op threads: %d (engine.cpu_threads=%s)", threads, config.engine.cpu_threads)
     card = None
     if config.engine.backend == "sim" and config.engine.sim.profile:
         from ..replay import ModelledCard, load_profile
