@@ -51,7 +51,7 @@ SOAK_ALL=${ORPHEUS_SOAK_REQUESTS:-600}
 # measure (tests/pace.py). ORPHEUS_TEST_SHARDS=1 runs the lane in one process.
 ci_shard() {  # ci_shard I N: shard I of N; the last shard also runs the in-process pass
   local status=0
-  ORPHEUS_SOAK_REQUESTS=$SOAK_CI .venv/bin/python -m pytest -m "$CI_MARKERS" --shard "$1/$2" || status=$?
+  ORPHEUS_SOAK_REQUESTS=$SOAK_CI .venv/bin/python -m pytest -m "$CI_MARKERS" --shard "$1/$2" --durations=15 || status=$?
   if [ "$1" = "$2" ]; then
     ORPHEUS_ENGINE_PROCESS=0 .venv/bin/python -m pytest -m core_in_process "${GATEWAY_FILES[@]}" || status=$?
   fi

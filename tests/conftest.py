@@ -40,7 +40,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "the CI lane's shards side by side: most tests wait on audio paced in real time)")
 
 
-# Seconds each of the heaviest test files took in the CI lane on the 2-core machine (--durations, loaded): only
+# Seconds each of the heaviest test files took in the CI lane on the 2-core machine (--durations, loaded; each
+# shard prints its slowest 15 tests): only
 # to deal the files into shards of about equal length. A file not named here counts half a second a test.
 SHARD_WEIGHTS_S = {
     "test_engine_process.py": 300, "test_decode_attention.py": 160, "test_gpu_kit.py": 135,
@@ -52,7 +53,7 @@ SHARD_WEIGHTS_S = {
     "test_openai_clients.py": 40, "test_ws_contexts.py": 40, "test_gateway_load.py": 35, "test_soak.py": 35,
     "test_container_files.py": 30, "test_playground.py": 25, "test_telephony.py": 25, "test_submit_burst.py": 20,
     "test_hostile_input.py": 20, "test_contexts.py": 20, "test_split_parity.py": 15, "test_trtllm_engine.py": 15,
-    "test_container_drain.py": 15,
+    "test_container_drain.py": 15, "test_compiled.py": 110,
 }
 # The last shard also runs scripts/test.sh's in-process pass afterwards: it starts this much behind.
 IN_PROCESS_PASS_S = 110
