@@ -48,14 +48,14 @@ The limit (streams admission allows) moves on those readings, never on a predict
   else (clients ran dry while production kept up) to the share of streams keeping real time, never below
   half and at most 95% of demand; for a codec busy past `CODEC_BUSY_BACK_OFF` (whether or not any stream
   can be read), to `demand * CODEC_BUSY_HOLD / codec_busy`; once per `WINDOW_S`, so a back-off is measured
-  before the next. Streams
-  already playing are never cut: fewer are admitted as they end.
+  before the next. Streams already playing are never cut: fewer are admitted as they end.
 
 The limit never drops below the streams keeping real time now: admission never holds back what the
 pipeline is serving well. The one exception is a codec past `CODEC_BUSY_BACK_OFF`: it is over capacity
-now, and the streams' leads only hide that while its queue grows. Before any stream has played long enough to be read (a cold server, or an idle
-one) the cost model's prediction may raise the limit (`model`): it predicts the first ramp, and never pulls
-the limit below what the last readings allowed. Pure Python; the scheduler calls it under its lock.
+now, and the streams' leads only hide that while its queue grows. Before any stream has played long enough
+to be read (a cold server, or an idle one) the cost model's prediction may raise the limit (`model`): it
+predicts the first ramp, and never pulls the limit below what the last readings allowed. Pure Python; the
+scheduler calls it under its lock.
 """
 
 from __future__ import annotations
