@@ -81,6 +81,45 @@ def measure(sessions: int, warm_s: float, measure_s: float, *, unpaced: bool) ->
             "cpu_us_per_token": 1e6 * (cpu_after - cpu_before) / tokens}
 
 
+def host_clock_cost(steps: int = 20_000) -> dict[str, float]:
+    """What the loop's host-time record costs (core/host_time.py): the marks of one loop iteration as the
+    overlapped loop makes them (begin, eight marks, finish, one plan row), and one `core_host` summary."""
+    from orpheus_serve.core.host_time import (
+        CODEC_HANDOFF,
+        DEVICE_WAIT,
+        LAUNCH,
+        OTHER,
+        OUTPUT,
+        PLAN,
+        CoreHostSampler,
+        LoopClock,
+        PassClock,
+    )
+
+    clock, passes = LoopClock(), PassClock()
+    marks = (PLAN, OTHER, LAUNCH, OTHER, DEVICE_WAIT, OUTPUT, CODEC_HANDOFF, OUTPUT)
+    start = time.perf_counter()
+    for i in range(steps):
+        clock.begin()
+        for phase in marks:
+            clock.mark(phase)
+        clock.record_plan(0.007, 100, i % 2, 40 * (i % 2))
+        clock.finish()
+        passes.record(0.003, 0.001, 16)
+    per_step_us = 1e6 * (time.perf_counter() - start) / steps
+    bare = time.perf_counter()
+    for _ in range(steps):  # the same loop without the clock: what the loop costs by itself
+        for _phase in marks:
+            pass
+    per_step_us -= 1e6 * (time.perf_counter() - bare) / steps
+    sampler = CoreHostSampler()
+    sampler.sample(clock, passes)  # the first one pays for numpy's and torch's first calls
+    start = time.perf_counter()
+    for _ in range(20):
+        sampler.sample(clock, passes, max_age_s=0.0)  # made anew each time
+    return {"per_step_us": per_step_us, "summary_ms": 1000 * (time.perf_counter() - start) / 20}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, nargs="+", default=[120, 192])
@@ -94,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(n, args.warm_s, args.measure_s, unpaced=args.unpaced)
         print(f"{r['sessions']:>8}  {r['steps']:>5}  {r['loop_ms']:>7.3f}  {r['model_ms']:>8.3f}  "
               f"{r['step_call_ms']:>14.3f}  {r['over']:>15.1%}  {r['cpu_us_per_token']:>12.1f}")
+    cost = host_clock_cost()
+    print(f"host-time record (core_host): {cost['per_step_us']:.2f} us of marks per loop iteration, "
+          f"{cost['summary_ms']:.2f} ms per summary (when stats are asked for)")
     return 0
 
 

@@ -147,6 +147,8 @@ class _GatewayLagSampler:
         self.admitted: list[int] = []  # scheduler.active_sessions: streams generating at once
         self.saturated_capacity: list[int] = []  # flow.capacity_streams while admission was closed
         self.flows: list[dict[str, Any]] = []  # every sample's flow section (the admission decision's inputs)
+        # The latest `core_host` record (where the engine-core process's host time goes); None: none reported.
+        self.core_host: dict[str, Any] | None = None
 
     def __enter__(self) -> _GatewayLagSampler:
         self._thread.start()
@@ -161,6 +163,8 @@ class _GatewayLagSampler:
             stats = self._target.stats()
             flow = stats.get("flow", {})
             self.flows.append(flow)
+            if stats.get("core_host") is not None:
+                self.core_host = stats["core_host"]
             lag = flow.get("gateway_lag_ms")
             if lag is not None:
                 self.samples.append(float(lag))
@@ -191,8 +195,10 @@ def summarize_admission_inputs(flows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """One load level: client-side summary plus what the server says it spent, and the inputs of its admission
-    decision sampled every 0.5 s while the level ran (`admission_inputs`)."""
+    """One load level: client-side summary plus what the server says it spent, the inputs of its admission
+    decision sampled every 0.5 s while the level ran (`admission_inputs`), and the last of those samples'
+    `core_host` record, where the engine-core process's host time went (`core_host`; the stats taken after
+    the level when the level was too short for a sample; None from a server that does not report it)."""
     before = target.stats()
     client_lags: list[float] = []
     with _GatewayLagSampler(target) as gateway:
@@ -211,6 +217,7 @@ def measure(target: Target, spec: LoadSpec, *, progress: Callable[[int], None] |
     row["capacity_at_saturation"] = (sorted(gateway.saturated_capacity)[len(gateway.saturated_capacity) // 2]
                                      if gateway.saturated_capacity else None)
     row["admission_inputs"] = summarize_admission_inputs(gateway.flows)
+    row["core_host"] = gateway.core_host if gateway.core_host is not None else after.get("core_host")
     row["client_loop_lag_ms_p99"] = _ms(percentile(client_lags, 0.99))
     row["client_loop_lag_ms_max"] = _ms(max(client_lags, default=None))
     cpu = after["process"]["cpu_s"] - before["process"]["cpu_s"]

@@ -75,6 +75,7 @@ import torch
 from ..token_format import join_frames
 from .base import CodecPush, CodecResult, StreamingDecoder
 from .loader import check_frames
+from .pass_clock import PassClock, name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,8 @@ class CodecWorker:
         self._drain = True
         self._thread: threading.Thread | None = None
         self._counters = _Counters()
+        # Each pass's wall and thread-CPU time and frames (the engine core's `core_host.codec_pass`).
+        self.pass_clock = PassClock()
 
     # ------------------------------------------------------------ caller side
 
@@ -309,6 +312,7 @@ class CodecWorker:
         return torch.cuda.stream(stream)
 
     def _run(self) -> None:
+        name_os_thread(self.name)
         with self._stream_context():
             for closes, batch in self._passes():
                 for key in closes:
@@ -316,7 +320,7 @@ class CodecWorker:
                     self._started.discard(key)
                 if not batch:
                     continue
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 for start in range(0, len(batch), self.max_batch):
                     self._decode_group(batch[start : start + self.max_batch])
                 elapsed = time.perf_counter() - started
@@ -330,6 +334,7 @@ class CodecWorker:
                     c.passes += 1
                     c.last_pass_frames = frames
                     c.max_pass_frames = max(c.max_pass_frames, frames)
+                self.pass_clock.record(elapsed, time.thread_time() - cpu_started, frames)
                 if self.on_pass is not None:
                     self.on_pass(frames, elapsed)
 

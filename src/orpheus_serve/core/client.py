@@ -39,6 +39,7 @@ posts go to an output thread that sends one message per batch instead.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ from ..scheduler import (
     SessionRequest,
 )
 from .engine_core import EngineCore
+from .host_time import CoreHostSampler
+
+log = logging.getLogger(__name__)
 
 
 class Outcome(str, Enum):
@@ -120,6 +124,9 @@ class EngineCoreStats:
     core_cpu_s: float = 0.0
     core_pid: int | None = None  # the engine-core process, when it runs apart
     core_restarts: int = 0  # times it was started again after it died
+    # Where the engine-core process's host time goes (core/host_time.py: the `core_host` record); None where
+    # it was not asked for (the loop's own quick checks: recent_stats in-process).
+    core_host: dict[str, Any] | None = None
 
 
 class EngineCoreClient(Protocol):
@@ -190,9 +197,14 @@ class CoreRuntime:
         if config.engine.profile_dir is not None:  # diagnostics on request (engines/profiling.py)
             from ..engines.profiling import ArmedStepProfiler
 
-            step_profiler = ArmedStepProfiler(config.engine.profile_dir, getattr(engine, "device", "cpu"))
+            try:
+                step_profiler = ArmedStepProfiler(config.engine.profile_dir, getattr(engine, "device", "cpu"))
+            except OSError:  # a diagnostic: the server serves without it
+                log.exception("engine.profile_dir %s cannot be used; the engine core runs without its step "
+                              "profiler", config.engine.profile_dir)
         self._core = EngineCore(self.scheduler, engine, self._codec, self._on_scheduler_event, on_frames=on_frames,
                                 overlap=config.engine.overlap, step_profiler=step_profiler)
+        self._host = CoreHostSampler()
 
     @property
     def engine_alive(self) -> bool:
@@ -245,7 +257,9 @@ class CoreRuntime:
         with the reason. Any thread: the engine writes its adapter pool only between steps."""
         return adapter_call(getattr(self.engine, "lora", None), op, name)
 
-    def stats(self, *, core_cpu_s: float = 0.0) -> EngineCoreStats:
+    def stats(self, *, core_cpu_s: float = 0.0, host: bool = True) -> EngineCoreStats:
+        """The figures; `host`: with the `core_host` record (a few /proc reads and percentiles, made at most
+        every host_time.SUMMARY_MAX_AGE_S)."""
         backlog_frames, oldest_s = self._codec.backlog()
         return EngineCoreStats(
             scheduler=self._core.scheduler_stats(), flow=self.scheduler.flow_stats(), codec=self._codec.stats(),
@@ -254,6 +268,7 @@ class CoreRuntime:
             engine_failure=self._core.engine_failure, steps=self._core.steps, step_errors=self._core.step_errors,
             busy_s=self._core.busy_s, engine_elapsed_s=self._core.engine_elapsed_s, loop_s=self._core.loop_s,
             core_cpu_s=core_cpu_s,
+            core_host=self._host.sample(self._core.host_clock, self._codec.pass_clock) if host else None,
         )
 
     # ------------------------------------------- from the engine core and codec threads
@@ -355,7 +370,7 @@ class InprocClient:
     async def adapters(self, op: str, name: str | None = None) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self._runtime.adapters, op, name)  # a load reads the adapter's files
     def recent_stats(self) -> EngineCoreStats:
-        return self._runtime.stats()  # in this process: current, and no wait
+        return self._runtime.stats(host=False)  # in this process: current, and no wait
 
     # ------------------------------------------- from the engine core and codec threads
 

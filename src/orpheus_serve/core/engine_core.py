@@ -33,7 +33,13 @@ session's backlog shrinks.
 Each loop period (schedule -> step -> update -> dispatch; overlapped, from one
 read-back to the next) is reported to the scheduler (`record_step_time`):
 that, not the engine call alone, is what a stream waits between two tokens,
-and it feeds the capacity measure that admission uses.
+and it feeds the capacity measure that admission uses. Each iteration that ran a step is also timed in
+phases (plan, launch, device wait, codec hand-off, output, other) with its thread CPU time, on `host_clock`
+(host_time.py): GET /v1/stats' `core_host`, what the card run records of the host's share of a step.
+
+The armed step profiler (engine.profile_dir) is a diagnostic: when it raises, starting, stopping or writing
+its result, the loop logs it, writes `{"status": "failed", "stage", "reason"}` as the profile's result, and
+serves on.
 
 A step that raises fails only its culprit. (Overlapped, a launch that raises has changed nothing:
 the step in flight is read back first, then the plan runs as below. A read-back that raises means
@@ -60,19 +66,24 @@ it, with the engine's own message, without isolating anything.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..codec.base import CodecPush
+from ..codec.pass_clock import name_os_thread
 from ..engines.base import PipelinedEngine, TokenEngine
 from ..request.errors import ServiceUnavailableError
 from ..scheduler import FramesReady, Scheduler, SchedulerEvent, SchedulerStats, SessionFinished, SessionRequest
 from ..scheduler.step import EngineDeadError, PrefillChunk, StepOutput, StepPlan
+from .host_time import CODEC_HANDOFF, DEVICE_WAIT, LAUNCH, OTHER, OUTPUT, PLAN, LoopClock
 
 if TYPE_CHECKING:
     from ..engines.profiling import ArmedStepProfiler
@@ -82,6 +93,8 @@ log = logging.getLogger(__name__)
 # Sessions in a row that must fail on their own, with no success in between, before the engine is dead. One is
 # a bad request (and fails alone); two unrelated ones failing alone means it is not about the requests.
 DEAD_AFTER_LONE_FAILURES = 2
+# Failures in a row of the armed step profiler (engine.profile_dir) before the loop stops using it.
+PROFILE_FAILURES_KEPT = 3
 
 
 class CodecSink(Protocol):
@@ -129,6 +142,9 @@ class EngineCore:
         self._lone_failures = 0  # sessions failed alone since the engine last ran anything successfully
         # Profiles loop iterations on request (engine.profile_dir; engines/profiling.py).
         self._step_profiler = step_profiler
+        self._profile_failures = 0  # profiler failures in a row (each one logged and written as the result)
+        # Host time of each loop iteration, by phase (core_host in /v1/stats; host_time.py).
+        self.host_clock = LoopClock()
 
     # ------------------------------------------------------------ from asyncio
 
@@ -182,37 +198,52 @@ class EngineCore:
         return self._pipelined is not None
 
     def _run(self) -> None:
+        name_os_thread(threading.current_thread().name)
         if self._pipelined is not None:
             self._run_overlapped(self._pipelined)
             return
+        clock = self.host_clock
         while (seen := self._await_work()) is not None:
-            period_start = time.perf_counter()
+            period_start = clock.begin()
             plan = self._scheduler.schedule()
+            clock.mark(PLAN)
             if plan.empty:
                 self._idle(seen)
                 continue
 
             t0 = time.perf_counter()
             with self._profiled(plan):
+                clock.mark(OTHER)
+                # One engine call, launch and read-back together: the record counts it as device_wait, and the
+                # iteration's thread CPU time says how much of it held the host.
                 output = self._step(plan)
+                clock.mark(DEVICE_WAIT)
             self.busy_s += time.perf_counter() - t0
             self.engine_elapsed_s += output.elapsed_s
             self.steps += 1
-            self._dispatch(self._scheduler.update(plan, output))
+            events = self._scheduler.update(plan, output)
+            clock.mark(OUTPUT)
+            self._dispatch(events)
+            clock.mark(OUTPUT)
             period = time.perf_counter() - period_start
             self.loop_s += period
             self._scheduler.record_step_time(plan, period)
+            _record_plan(clock, plan, period)
+            clock.finish()
 
     def _run_overlapped(self, engine: PipelinedEngine) -> None:
         """The loop with one step in flight: plan and launch N+1, then read N back (module docstring)."""
         inflight: _Launched | None = None
+        clock = self.host_clock
         while (seen := self._await_work(step_in_flight=inflight is not None)) is not None:
-            planned_at = time.perf_counter()
+            planned_at = clock.begin()
             plan = self._scheduler.schedule()
+            clock.mark(PLAN)
             if plan.empty:
                 if inflight is not None:
                     self._read_back(engine, inflight)
                     inflight = None
+                    clock.finish()
                 else:
                     self._idle(seen)
                 continue
@@ -224,15 +255,55 @@ class EngineCore:
             if launched.handle is None:  # refused at launch: run it on its own, isolating the culprits
                 self._read_back(engine, launched)
                 inflight = None
+            clock.finish()
 
     def _profiled(self, plan: StepPlan) -> AbstractContextManager[None]:
-        return nullcontext() if self._step_profiler is None else self._step_profiler.around_step(len(plan.decode))
+        if self._step_profiler is None:
+            return nullcontext()
+        return _GuardedProfile(self, self._step_profiler.around_step(len(plan.decode)))
+
+    def _profile_failed(self, stage: str, exc: BaseException) -> None:
+        """The armed profiler raised (starting, stopping or writing its result): a diagnostic, never a reason to
+        stop serving. Logged, and written where the profile would have gone so that whoever armed it sees a
+        failed profile instead of waiting for one. The profiler is made anew (its state is unknown now), and
+        dropped after PROFILE_FAILURES_KEPT failures in a row."""
+        profiler = self._step_profiler
+        assert profiler is not None
+        self._profile_failures += 1
+        log.error("the engine-core step profiler failed (at %s); serving goes on without this profile", stage,
+                  exc_info=exc)
+        # Shaped as a profile that failed (engines/profiling.StepProfile.as_dict): status and reason.
+        record = {"status": "failed", "stage": stage,
+                  "reason": f"the step profiler raised at {stage}: {type(exc).__name__}: {exc}"}
+        with contextlib.suppress(OSError):
+            profiler.arm_path.unlink(missing_ok=True)  # not armed again by the same request
+        try:
+            scratch = profiler.result_path.with_name(profiler.result_path.name + ".failed.tmp")
+            scratch.write_text(json.dumps(record, indent=2))
+            scratch.replace(profiler.result_path)
+        except OSError:
+            log.error("could not write the failed profile's record to %s", profiler.result_path, exc_info=True)
+        if self._profile_failures >= PROFILE_FAILURES_KEPT:
+            log.error("the step profiler failed %d times in a row; profiling is off until a restart",
+                      self._profile_failures)
+            self._step_profiler = None
+            return
+        try:
+            self._step_profiler = type(profiler)(profiler.folder, profiler.device)
+        except Exception:
+            log.exception("could not set the step profiler up again; profiling is off until a restart")
+            self._step_profiler = None
 
     def _await_work(self, step_in_flight: bool = False) -> int | None:
-        """Block until the scheduler has work (or a step is in flight); the wake-up count seen, None: stop."""
+        """Block until the scheduler has work (or a step is in flight); the wake-up count seen, None: stop.
+        The time it waits with no session at all, and the process's CPU time meanwhile, go to the host clock
+        (idle_cpu_share: threads that spin while nothing runs)."""
         with self._cond:
-            while not self._stopping and not step_in_flight and not self._scheduler.has_work:
-                self._cond.wait()
+            if not self._stopping and not step_in_flight and not self._scheduler.has_work:
+                self.host_clock.idle_begin()
+                while not self._stopping and not self._scheduler.has_work:
+                    self._cond.wait()
+                self.host_clock.idle_end()
             return None if self._stopping else self._wakeups
 
     def _idle(self, seen: int) -> None:
@@ -248,17 +319,22 @@ class EngineCore:
     def _launch(self, engine: PipelinedEngine, plan: StepPlan, planned_at: float) -> _Launched:
         if self.engine_failure is not None:
             return _Launched(plan, None, planned_at, 0.0)
+        self.host_clock.mark(OTHER)
         t0 = time.perf_counter()
         try:
             handle = engine.launch(plan)
         except Exception:  # nothing was launched and nothing changed: the step runs again, serially, after N
             log.debug("launching a step raised; it runs again on its own", exc_info=True)
             return _Launched(plan, None, planned_at, time.perf_counter() - t0)
+        finally:
+            self.host_clock.mark(LAUNCH)
         return _Launched(plan, handle, planned_at, time.perf_counter() - t0)
 
     def _read_back(self, engine: PipelinedEngine, launched: _Launched) -> None:
         """Collect a launched step (or run a refused one serially), update the scheduler and dispatch."""
         plan = launched.plan
+        clock = self.host_clock
+        clock.mark(OTHER)
         t0 = time.perf_counter()
         if launched.handle is None:
             output = self._step(plan)
@@ -272,10 +348,14 @@ class EngineCore:
             else:
                 if plan.prefill or plan.decode:
                     self._lone_failures = 0
+        clock.mark(DEVICE_WAIT)
         self.busy_s += launched.launch_s + time.perf_counter() - t0
         self.engine_elapsed_s += output.elapsed_s
         self.steps += 1
-        self._dispatch(self._scheduler.update(plan, output))
+        events = self._scheduler.update(plan, output)
+        clock.mark(OUTPUT)
+        self._dispatch(events)
+        clock.mark(OUTPUT)
         done = time.perf_counter()
         # What a stream waits between two tokens: from the previous read-back (or, after an idle gap, from when
         # this plan was made) to this one.
@@ -283,6 +363,7 @@ class EngineCore:
         self._last_read_at = done
         self.loop_s += period
         self._scheduler.record_step_time(plan, period)
+        _record_plan(clock, plan, period)
 
     def _step(self, plan: StepPlan) -> StepOutput:
         if self.engine_failure is not None:
@@ -357,13 +438,53 @@ class EngineCore:
                 continue
             if isinstance(event, SessionFinished) and event.reason not in ("stop", "length"):
                 # No final push will come: drop the codec's state for it, after the pushes before this event.
+                self.host_clock.mark(OUTPUT)
                 if pushes:
                     self._codec.submit_many(pushes)
                     pushes = []
                 self._codec.close_session(event.request_id)
+                self.host_clock.mark(CODEC_HANDOFF)
             self._on_event(event)
         if pushes:
+            self.host_clock.mark(OUTPUT)
             self._codec.submit_many(pushes)  # one wake-up of the codec thread per step
+            self.host_clock.mark(CODEC_HANDOFF)
+
+
+class _GuardedProfile:
+    """One loop iteration inside the armed profiler's `around_step`, with the profiler's own failures caught:
+    the iteration's work runs whatever the profiler does, and an exception from the work itself is raised as
+    it is."""
+
+    __slots__ = ("_core", "_entered", "_inner")
+
+    def __init__(self, core: EngineCore, inner: AbstractContextManager[None]) -> None:
+        self._core = core
+        self._inner = inner
+        self._entered = False
+
+    def __enter__(self) -> None:
+        try:
+            self._inner.__enter__()
+        except Exception as exc:
+            self._core._profile_failed("start", exc)
+        else:
+            self._entered = True
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if not self._entered:
+            return False
+        if exc is not None:  # the work raised: the profiler unwinds, the work's exception goes on
+            with contextlib.suppress(Exception):
+                self._inner.__exit__(kind, exc, tb)
+            return False
+        try:
+            self._inner.__exit__(None, None, None)
+        except Exception as failure:
+            self._core._profile_failed("finish", failure)
+        else:
+            self._core._profile_failures = 0
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +493,10 @@ class _Launched:
     handle: Any  # the engine's, for collect; None: not launched (refused at launch, or the engine is dead)
     planned_at: float  # perf_counter when the plan was made
     launch_s: float  # time in engine.launch
+
+
+def _record_plan(clock: LoopClock, plan: StepPlan, period_s: float) -> None:
+    clock.record_plan(period_s, len(plan.decode), len(plan.prefill), sum(c.end - c.start for c in plan.prefill))
 
 
 def _slots_of(plan: StepPlan) -> set[int]:

@@ -347,7 +347,7 @@ class MPClient:
         try:
             if not self._transport.up:
                 return self.recent_stats()
-            return self._take_stats(*self._transport.call_from_any_thread(wire.CALL_STATS)[1:])
+            return self._take_stats(*self._transport.call_from_any_thread(wire.CALL_STATS, True)[1:])
         except ServiceUnavailableError as exc:
             return self.recent_stats(str(exc))
 

@@ -51,6 +51,7 @@ from typing import Any
 import zmq
 
 from ..codec.base import StreamingDecoder
+from ..codec.pass_clock import name_os_thread
 from ..config import Config
 from ..engines.base import TokenEngine
 from ..engines.lora import AdapterError
@@ -179,7 +180,8 @@ class EngineCoreProc:
             self._reply(identity, [seq, *self._submit(message[2], message[3])])
             return False
         if kind == wire.CALL_STATS:
-            stats = self._runtime.stats(core_cpu_s=time.process_time())
+            # The host-time record only when asked (GET /v1/stats), not for the API side's frequent polls.
+            stats = self._runtime.stats(core_cpu_s=time.process_time(), host=len(message) > 2 and bool(message[2]))
             self._reply(identity, [seq, wire.OK, wire.encode_stats(stats), list(self._figures.items())])
             return False
         if kind in wire.FILE_CALLS:
@@ -307,6 +309,7 @@ class EngineCoreProc:
         return out
 
     def _send_outputs(self) -> None:
+        name_os_thread("core-output")
         while True:
             with self._cond:
                 while not self._outbox and not self._stopping and not self._reset_outputs:
@@ -403,6 +406,7 @@ class _FileCalls:
             self._thread.join(5.0)
 
     def _run(self) -> None:
+        name_os_thread("core-files")
         try:
             while (call := self._calls.get()) is not None:
                 identity, message = call

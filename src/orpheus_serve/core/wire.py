@@ -7,7 +7,8 @@ fields. Each message is one msgpack array whose first item names its kind.
 API process -> engine core (a DEALER per API process -> the core's ROUTER):
 
     [CALL_SUBMIT, seq, api, request...]    answered: [seq, OK] or [seq, FULL|INVALID|UNAVAILABLE, message, extra]
-    [CALL_STATS, seq]                      answered: [seq, OK, stats..., [[api, figures], ...]]
+    [CALL_STATS, seq, with_host?]          answered: [seq, OK, stats..., [[api, figures], ...]]; the stats carry the
+                                           core_host record (core/host_time.py) when with_host is true
     [CALL_SHUTDOWN, seq]                   answered: [seq, OK]; the core then stops
     [CALL_ADAPTERS, seq, op, name]         answered: [seq, OK, [status, ...]] or [seq, INVALID, reason]
     [CALL_TOKEN_LOG, seq, [session_id, ...]]
@@ -144,15 +145,16 @@ def decode_output(entry: list[Any]) -> tuple[str, SessionOutput] | EngineDead:
 def encode_stats(stats: EngineCoreStats) -> list[Any]:
     return [list(astuple(stats.scheduler)), list(astuple(stats.flow)), stats.codec, stats.codec_backlog_frames,
             stats.codec_oldest_pending_s, list(astuple(stats.memory)), stats.engine_alive, stats.engine_failure,
-            stats.steps, stats.step_errors, stats.busy_s, stats.engine_elapsed_s, stats.loop_s, stats.core_cpu_s]
+            stats.steps, stats.step_errors, stats.busy_s, stats.engine_elapsed_s, stats.loop_s, stats.core_cpu_s,
+            stats.core_host]
 
 
 def decode_stats(values: list[Any]) -> EngineCoreStats:
     (scheduler, flow, codec, backlog, oldest, memory, alive, failure, steps, step_errors, busy_s, elapsed_s, loop_s,
-     cpu_s) = values
+     cpu_s, core_host) = values
     return EngineCoreStats(
         scheduler=SchedulerStats(*scheduler), flow=FlowStats(*flow), codec=codec, codec_backlog_frames=backlog,
         codec_oldest_pending_s=oldest, memory=MemoryReport(*memory), engine_alive=alive, engine_failure=failure,
         steps=steps, step_errors=step_errors, busy_s=busy_s, engine_elapsed_s=elapsed_s, loop_s=loop_s,
-        core_cpu_s=cpu_s)
+        core_cpu_s=cpu_s, core_host=core_host)
 

@@ -160,6 +160,8 @@ def service_stats(snapshot: ServiceSnapshot, tally: RequestTally, *, backend: st
         },
         "codec": core.codec,
         "flow": flow_stats(snapshot),
+        # Where the engine-core process's host time goes, per loop phase and thread (core/host_time.py).
+        "core_host": core.core_host,
         "requests": tally.as_dict(),
         # All threads; with the engine core in its own process, `cpu_s` adds its CPU time to this process's.
         "process": {"cpu_s": round(cpu_s + core.core_cpu_s, 3), "engine_core_cpu_s": round(core.core_cpu_s, 3),
