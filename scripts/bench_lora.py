@@ -18,10 +18,12 @@ run: the adapters already there are reused). CUDA graphs are on (the engine's de
 shape) unless `--graphs off`. `--json` writes one row per (model, adapter count): step ms, tokens/s
 and the ratio to the batch without adapters.
 
-`--lora-kernels` (default auto: `triton,torch` on CUDA, `torch` elsewhere) measures each way of adding the
-adapters (voices.lora_kernel: the segmented Triton kernels, the torch gather) on the same loaded weights, one
-engine after the other. `rows` are the first kernel's; each row's `by_kernel` holds every kernel's numbers for
-that adapter count (and `rows_by_kernel` every kernel's rows), so the old path is read beside the new.
+`--lora-kernels` (default auto) names the ways of adding the adapters to measure (voices.lora_kernel: the
+segmented Triton kernels, the torch gather). auto is the one the server would use, resolved as the engine
+resolves voices.lora_kernel's default (triton on CUDA with Triton installed, torch elsewhere): one engine,
+the rows the server's. A comma list (`triton,torch`) measures each on the same loaded weights, one engine
+after the other. `rows` are the first kernel's, each with its `kernel`; each row's `by_kernel` holds every
+kernel's numbers for that adapter count (and `rows_by_kernel` every kernel's rows).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch  # noqa: E402
 from orpheus_serve import token_format as P  # noqa: E402
 from orpheus_serve.config import resolve_device, resolve_dtype  # noqa: E402
 from orpheus_serve.engines.llama import Transformer, load_transformer, torch_dtype  # noqa: E402
-from orpheus_serve.engines.torch_engine import TorchEngine  # noqa: E402
+from orpheus_serve.engines.torch_engine import TorchEngine, resolve_lora_kernel  # noqa: E402
 from orpheus_serve.scheduler.step import PrefillChunk, SamplingParams, StepPlan  # noqa: E402
 from orpheus_serve.weights.tiny import write_lora_adapter  # noqa: E402
 
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the random adapters missing from --adapters-dir into it (and keep them)")
     ap.add_argument("--lora-kernels", default="auto",
                     help="comma list of voices.lora_kernel values to measure, the first one's rows first "
-                         "(auto: triton,torch on CUDA, torch elsewhere)")
+                         "(auto: the one the server would use: triton on CUDA, torch elsewhere)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.threads:
@@ -180,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _kernels(spec: str, device: str) -> list[str]:
-    """The voices.lora_kernel values to measure: `auto` is the new kernels beside the torch path on CUDA."""
+    """The voices.lora_kernel values to measure: `auto` is the server's (one engine), resolved as the engine
+    resolves voices.lora_kernel: auto."""
     if spec == "auto":
-        return ["triton", "torch"] if device.startswith("cuda") else ["torch"]
+        return [resolve_lora_kernel("auto", torch.device(device))]
     kernels = [k for k in spec.split(",") if k]
     unknown = sorted(set(kernels) - {"triton", "torch"})
     if unknown or not kernels:

@@ -23,7 +23,11 @@ from typing import Any
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # the Triton decode attention runs in Triton's interpreter (before its import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from orpheus_serve import token_format as P
+from orpheus_serve.engines import decode_attention
 from orpheus_serve.engines.compiled import CompiledDecode
 from orpheus_serve.engines.llama import LlamaConfig, Transformer, load_transformer
 from orpheus_serve.engines.lora import LoraBatch, LoraPool, read_peft_adapter
@@ -176,6 +180,70 @@ def test_compiled_engine_gives_eager_greedy_tokens(tiny_orpheus: Path, tmp_path:
     assert counter.calls - warmed_calls == steps, "a decode step did not run the compiled code"
     assert counter.compiles == warmed_compiles, "a decode step compiled again after the warm-up"
     assert_same_kv(compiled.model, eager.model, f"after {steps} decode steps")
+
+
+def test_compiled_triton_attention_with_lora_compiles_once_for_every_batch_size(
+        tiny_orpheus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.compile with the server's CUDA attention (the Triton kernel, here in Triton's interpreter) and LoRA
+    on, stepped at padded batch sizes 1 to 32, more of them (twice that, with and without adapters) than
+    dynamo's recompile limit of 8. The split count is a compile-time constant of the kernel chosen from the
+    batch size; behind its custom op (decode_attention.py) the graph does not specialise on it. So: the
+    warm-up's two compilations (without and with the adapters' argument) are all there are, every step runs
+    the compiled code (nothing fell back to eager), dynamo made no more graphs, and the greedy tokens are the
+    eager engine's (the same kernel, eagerly)."""
+    torch._dynamo.reset()
+    counter = CountingBackend("aot_eager")
+    monkeypatch.setattr("orpheus_serve.engines.torch_engine.CompiledDecode",
+                        functools.partial(CompiledDecode, backend=counter))
+    write_lora_adapters(tmp_path / "adapters", tiny_orpheus, 2, seed=5)
+    batches, max_seq_len = (1, 2, 4, 8, 16, 32), 256
+    # The tiny model's two KV heads fill a GPU's programs at any batch; aim at fewer, so that the split count
+    # changes with the batch size here as it does at the served model's shapes (what would recompile).
+    monkeypatch.setattr(decode_attention, "TARGET_PROGRAMS", 32)
+    splits = {decode_attention.choose_num_splits(max(2, b), 2, max_seq_len) for b in batches}
+    assert len(splits) >= 3, splits
+
+    def engine(compiled: bool) -> TorchEngine:
+        return TorchEngine(tiny_orpheus, num_slots=max(batches), max_seq_len=max_seq_len, device="cpu", dtype="fp32",
+                           max_batch_size=max(batches), cuda_graphs=False, attention="triton",
+                           adapters_dir=tmp_path / "adapters", max_loras=2, max_lora_rank=8,
+                           compile_decode=compiled, compile_cache_dir=tmp_path / "cache")
+
+    def run(engine: TorchEngine) -> list[list[int]]:
+        tokens: list[list[int]] = [[] for _ in range(max(batches))]
+        for slot in range(max(batches)):  # every third session on the base model, the others on an adapter
+            prompt = (P.START_OF_HUMAN, P.BOS, 100 + slot, 200 + slot, *P.PROMPT_SUFFIX)
+            adapter = None if slot % 3 == 0 else f"voice{slot % 2}"
+            out = engine.step(StepPlan(prefill=[PrefillChunk(slot, f"r{slot}", prompt, 0, len(prompt),
+                                                             SamplingParams(temperature=0.0), adapter=adapter)]))
+            assert not out.failed, out.failed
+            tokens[slot] += out.tokens[slot]
+        base_only = [slot for slot in range(max(batches)) if slot % 3 == 0]
+        for batch in batches:  # the first rows (adapters mixed; batch 1 has none), then base-model rows only
+            for rows in (list(range(batch)), base_only[:batch]):
+                if len(rows) < batch:
+                    continue
+                calls = counter.calls
+                out = engine.step(StepPlan(decode=rows))
+                assert not out.failed, out.failed
+                if engine.compiled_decode is not None:
+                    assert counter.calls == calls + 1, f"batch {batch}: the step did not run the compiled code"
+                for slot, new in out.tokens.items():
+                    tokens[slot] += new
+        return tokens
+
+    expected = run(engine(False))
+    assert counter.compiles == 0
+    compiled = engine(True)
+    assert compiled.attention == "triton" and compiled.compiled_decode is not None
+    warmed = counter.compiles
+    assert warmed == 2, f"the warm-up compiled {warmed} graphs, expected one without LoRA and one with"
+    graphs_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert run(compiled) == expected
+    assert counter.compiles == warmed, f"recompiled: {counter.compiles} compilations after {warmed} at warm-up"
+    assert compiled.compiled_decode.compilations == warmed
+    assert compiled.compiled_decode.compilations_after_warm_up == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_warm_up
 
 
 CHILD = """

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from orpheus_serve import token_format as P
 from orpheus_serve.config import load_config
+from orpheus_serve.engines import decode_attention as decode_attention_module
 from orpheus_serve.engines.decode_attention import choose_num_splits, decode_attention
 from orpheus_serve.engines.fp8 import FP8_DTYPE, Fp8Linear, kv_scales, quantize_fp8, rounding_bound
 from orpheus_serve.engines.llama import LlamaConfig
@@ -81,6 +82,36 @@ def test_fp32_matches_fp64_reference(group: int, num_splits: int, head_dim: int)
     assert out.shape == c["q"].shape and out.dtype == torch.float32
     expected = reference(c["q"], c["k"], c["v"], c["slots"], c["lengths"])
     torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-6)
+
+
+def test_compiled_with_a_dynamic_batch_is_the_eager_kernel_bit_for_bit_with_one_compilation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile (fullgraph, a dynamic batch) the kernels run behind the `orpheus_serve::decode_attention`
+    op: at batch sizes whose split counts differ, the output is the eager call's to the bit, and one graph
+    serves them all (the split count is chosen inside the op, so the graph never specialises on it). Few
+    programs are aimed at, so that small shapes get different split counts, as the served model's do."""
+    monkeypatch.setattr(decode_attention_module, "TARGET_PROGRAMS", 16)
+    compiles = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        compiles.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    attend = torch.compile(decode_attention, backend=backend, fullgraph=True)
+    splits = set()
+    for batch in (2, 3, 5, 6):
+        c = on_device(random_cache(num_slots=7, kv_heads=2, max_seq_len=128, head_dim=16, heads=4, batch=batch,
+                                   seed=batch))
+        for name in ("q", "slots", "lengths"):
+            torch._dynamo.mark_dynamic(c[name], 0)
+        eager = decode_attention(c["q"], c["k"], c["v"], c["slots"], c["lengths"])
+        got = attend(c["q"], c["k"], c["v"], c["slots"], c["lengths"])
+        assert torch.equal(got, eager), batch
+        splits.add(choose_num_splits(batch, 2, 128))
+    assert len(splits) >= 3, splits  # the batches did ask for different split counts
+    assert len(compiles) == 1, f"{len(compiles)} compilations"
+    assert any(n.target is torch.ops.orpheus_serve.decode_attention.default for n in compiles[0].graph.nodes)
 
 
 def test_bf16_error_within_twice_sdpa_bf16() -> None:

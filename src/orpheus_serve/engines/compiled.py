@@ -8,8 +8,16 @@ Python or guards in the way. Without CUDA graphs (a CPU) the compiled callable r
 Compilations: one for every batch size, with and without LoRA when the adapter pool is on. Dynamo
 specialises a dimension of size 1, so a batch of 1 runs as a batch of 2, its row twice (the twin
 writes the same K/V to the same cache entry; reading the weights, not the rows, is a small batch's
-cost). SDPA attention's `kv_len` becomes symbolic after its second value (one recompilation). `warm_up` triggers them at start-up, so the first request pays none, and
-measures the time (`compile_s`, in the engine's memory report and stats).
+cost). SDPA attention's `kv_len` becomes symbolic after its second value (one recompilation). The
+Triton decode attention is an opaque custom op (decode_attention.py): its split count, a function of
+the batch size, is chosen inside the op, so it adds no guard and no compilation per batch size.
+`warm_up` triggers them at start-up, so the first request pays none, and measures the time
+(`compile_s`, in the engine's memory report and stats).
+
+No silent eager: the decode is compiled with `fullgraph=True`, so a graph break, or a recompilation past
+dynamo's recompile limit (8 per code object, where dynamo would otherwise run the frame eagerly from then
+on), raises instead of running slower unnoticed. `compilations` counts what the backend compiled, and a
+compilation after the warm-up is logged as a warning (`compilations_after_warm_up`).
 
 Cache: inductor's FX graph cache (and the Triton kernels it builds) live in `cache_dir`
 (TORCHINDUCTOR_CACHE_DIR), so a restart with the same model, shapes and torch reads compiled code
@@ -56,8 +64,25 @@ class CompiledDecode:
         for fast tests."""
         self.cache_dir = use_cache_dir(cache_dir)
         self.device = model.output.weight.device
-        self._compiled = torch.compile(model.decode, dynamic=None, backend=backend)
+        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.compilations = 0  # graphs the backend compiled (every one of them: a recompilation shows here)
+        self._warm_compilations: int | None = None  # compilations once warm_up ran
+
+        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+            self.compilations += 1
+            if self._warm_compilations is not None:
+                logger.warning("the compiled decode pass compiled again after its warm-up (%d compilations, %d at "
+                               "warm-up): a shape or argument the warm-up did not cover; set TORCH_LOGS=recompiles "
+                               "to see why", self.compilations, self._warm_compilations)
+            return inner(gm, example_inputs)
+
+        self._compiled = torch.compile(model.decode, dynamic=None, backend=counting_backend, fullgraph=True)
         self.compile_s: float | None = None  # the warm-up's wall time, once run
+
+    @property
+    def compilations_after_warm_up(self) -> int:
+        """Compilations since `warm_up` (0 as designed; before the warm-up, all of them)."""
+        return self.compilations - (self._warm_compilations or 0)
 
     def __call__(self, tokens: Tensor, slots: Tensor, positions: Tensor, kv_len: int,
                  lora: LoraBatch | None = None) -> Tensor:
@@ -89,11 +114,16 @@ class CompiledDecode:
             for kv_len in kv_lens:  # one batch size: every other one runs the same compiled code
                 rows = torch.full((2,), slot, dtype=torch.int64, device=device)
                 zeros = torch.zeros(2, dtype=torch.int64, device=device)
-                lora = LoraBatch.on_device(lora_pool, zeros, kernel=lora_kernel) \
+                # Entries of their own: were they the tokens' tensor, dynamo would guard on the aliasing
+                # (`tokens is lora.entries`) and compile again at the first real step with adapters.
+                entries = torch.zeros(2, dtype=torch.int64, device=device)
+                lora = LoraBatch.on_device(lora_pool, entries, kernel=lora_kernel) \
                     if with_lora and lora_pool is not None else None
                 self(zeros, rows, zeros.clone(), kv_len, lora)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.compile_s = time.perf_counter() - started
-        logger.info("torch.compile of the decode pass: %.1f s (cache %s)", self.compile_s, self.cache_dir)
+        self._warm_compilations = self.compilations
+        logger.info("torch.compile of the decode pass: %.1f s, %d compilations (cache %s)", self.compile_s,
+                    self.compilations, self.cache_dir)
         return self.compile_s

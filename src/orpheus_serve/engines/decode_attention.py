@@ -196,18 +196,34 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     `pipelined` (engine.fused; on a GPU only, Triton's interpreter runs the plain loop): the block loop as a
     for loop that Triton software-pipelines (STAGES blocks of K/V in flight), with blocks of
     `block_rows(cache dtype)` rows, so an FP8 cache moves as many bytes per block as a bf16 one.
+
+    Under torch.compile the launch is the opaque custom op `orpheus_serve::decode_attention` (see
+    `_decode_attention_op`): the split count is chosen inside it from the concrete batch, so the compiled
+    graph never sees it and one graph with a dynamic batch serves every batch size.
     """
-    B, H, D = q.shape
-    _num_slots, Hkv, max_seq_len, Dc = k_cache.shape
+    _batch, H, D = q.shape
+    _num_slots, Hkv, _max_seq_len, Dc = k_cache.shape
     if Dc != D or v_cache.shape != k_cache.shape or H % Hkv:
         raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the caches must share a layout with a contiguous head dimension, and q's last dim too")
-    has_scale = k_scale is not None
-    if has_scale != (v_scale is not None):
+    if (k_scale is not None) != (v_scale is not None):
         raise ValueError("k_scale and v_scale come together")
-    if k_cache.dtype == torch.float8_e4m3fn and not has_scale:
+    if k_cache.dtype == torch.float8_e4m3fn and k_scale is None:
         raise ValueError("an FP8 cache needs k_scale and v_scale")
+    if torch.compiler.is_compiling():
+        return _decode_attention_op(q, k_cache, v_cache, slots, lengths, k_scale, v_scale, sm_scale, num_splits,
+                                    pipelined)
+    return _launch(q, k_cache, v_cache, slots, lengths, k_scale, v_scale, sm_scale, num_splits, pipelined)
+
+
+def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, k_scale: Tensor | None,
+            v_scale: Tensor | None, sm_scale: float | None, num_splits: int | None, pipelined: bool) -> Tensor:
+    """The two kernels, on concrete shapes: the split count is a compile-time constant of each (NUM_SPLITS), so
+    the combine loop and the split programs' ranges are fixed per (batch, heads, max_seq_len)."""
+    B, H, D = q.shape
+    _num_slots, Hkv, max_seq_len, _ = k_cache.shape
+    has_scale = k_scale is not None
     group = H // Hkv
     splits = num_splits or choose_num_splits(B, Hkv, max_seq_len)
     block_d = max(MIN_DOT, triton.next_power_of_2(D))
@@ -240,3 +256,24 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     )
     return out
 
+
+# Registered once per process, on import: a torch.library op is global by nature (its name is the dispatcher's
+# key). The schema is written out so that it reads the same on every torch release the project runs on.
+@torch.library.custom_op(
+    "orpheus_serve::decode_attention", mutates_args=(),
+    schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, Tensor? k_scale, "
+           "Tensor? v_scale, float? sm_scale, int? num_splits, bool pipelined) -> Tensor")
+def _decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                         k_scale: Tensor | None, v_scale: Tensor | None, sm_scale: float | None,
+                         num_splits: int | None, pipelined: bool) -> Tensor:
+    """The compiled decode's boundary around the kernels. Dynamo would otherwise trace `_launch`: the split
+    count, a function of the batch size, becomes a guard and a constexpr, and every padded batch size (times
+    LoRA on and off) compiles the whole decode pass again, past dynamo's recompile limit of 8. Inside the op
+    the batch is concrete; outside, the graph holds one call whose output is shaped like q."""
+    return _launch(q, k_cache, v_cache, slots, lengths, k_scale, v_scale, sm_scale, num_splits, pipelined)
+
+
+@_decode_attention_op.register_fake
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, k_scale: Tensor | None,
+      v_scale: Tensor | None, sm_scale: float | None, num_splits: int | None, pipelined: bool) -> Tensor:
+    return torch.empty_like(q)

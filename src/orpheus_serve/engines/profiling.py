@@ -15,6 +15,18 @@ and returns `StepProfile.as_dict()`:
 The step must finish its device work before it returns (TorchEngine.step does: it waits for its
 tokens), so each kernel falls inside the host range of the step that launched it; a kernel that does
 not (a clock skew, work left running) is counted in `unassigned_kernels`, not in any step.
+
+A profile that recorded no kernel at all is no measurement (CUPTI has been seen to record nothing in a
+profiler session that follows a CUDA graph capture): `as_dict` then says `status: failed` with the
+reason, and its kernel figures are None, never a zero taken for a number.
+
+Engine and codec. In the server the codec decodes on its own thread and, on CUDA, its own stream, while
+the engine core's loop is profiled (`ArmedStepProfiler`): its kernels overlap the engine's steps. Kernels
+are attributed by where they came from (`split_by_origin`): on a CPU, an operator belongs to the engine
+when it ran on the thread of the step ranges; on CUDA, a kernel belongs to the engine when it ran on a
+stream that the step thread's own operators launched kernels on (a replayed graph's kernels run on the
+engine's stream too, and so are the engine's). Everything else is the codec's (`codec_kernels`: its
+kernels per step, its busy time and its top kernels), never counted in `kernels_per_step`.
 """
 
 from __future__ import annotations
@@ -58,9 +70,21 @@ class StepProfile:
     top_kernels: list[dict[str, Any]] = field(default_factory=list)
     unassigned_kernels: int = 0
 
+    @property
+    def recorded_kernels(self) -> bool:
+        return self.kernels_per_step > 0 or self.unassigned_kernels > 0
+
     def as_dict(self) -> dict[str, Any]:
-        return {"activity": self.activity, "steps": self.steps, "step_ms": round(self.step_ms, 4),
-                "busy_ms_per_step": round(self.busy_ms_per_step, 4),
+        """The summary; with no kernel recorded, `status: failed` and the reason instead of kernel figures."""
+        if not self.recorded_kernels:
+            return {"status": "failed",
+                    "reason": f"no kernels recorded in {self.steps} profiled steps ({self.activity} activity): "
+                              "the profiler saw the steps but none of their work",
+                    "activity": self.activity, "steps": self.steps, "step_ms": round(self.step_ms, 4),
+                    "busy_ms_per_step": None, "kernels_per_step": None, "idle_share": None, "top_kernels": [],
+                    "unassigned_kernels": 0}
+        return {"status": "measured", "activity": self.activity, "steps": self.steps,
+                "step_ms": round(self.step_ms, 4), "busy_ms_per_step": round(self.busy_ms_per_step, 4),
                 "kernels_per_step": round(self.kernels_per_step, 1), "idle_share": round(self.idle_share, 4),
                 "top_kernels": self.top_kernels, "unassigned_kernels": self.unassigned_kernels}
 
@@ -112,24 +136,61 @@ def summarize(kernels: list[Interval], steps: list[Interval], *, activity: str,
         unassigned_kernels=unassigned)
 
 
-def _intervals(events: Any, activity: str) -> tuple[list[Interval], list[Interval]]:
-    """(kernels, step ranges) from a profiler's FunctionEvents."""
+@dataclass(slots=True)
+class TraceSplit:
+    """A trace's kernels by origin (module docstring), and the steps' host ranges."""
+
+    engine: list[Interval]
+    codec: list[Interval]
+    steps: list[Interval]
+    attribution: str  # thread (CPU), stream (CUDA), or none: every kernel counted as the engine's
+
+
+def split_by_origin(events: Iterable[Any], activity: str) -> TraceSplit:
+    """Kernels (CUDA: device kernels, copies, fills; CPU: outermost operators) split into the engine's and the
+    codec's, from a profiler's FunctionEvents (module docstring). On CUDA without a stream to go by (no step
+    thread operator launched a kernel, or this torch gives kernels no stream), every kernel is the engine's."""
     from torch.autograd import DeviceType
 
-    steps, kernels = [], []
-    for evt in events:
-        iv = Interval(evt.name, float(evt.time_range.start), float(evt.time_range.end))
-        on_cpu = evt.device_type == DeviceType.CPU
-        if evt.name == STEP_LABEL:
-            if on_cpu:  # the same range mirrored on the GPU timeline is an annotation, not a kernel
-                steps.append(iv)
-            continue
-        if activity == "cuda":
-            if evt.device_type == DeviceType.CUDA and not _annotation(evt):
-                kernels.append(iv)
-        elif on_cpu and not _annotation(evt) and not any(not _annotation(a) for a in _ancestors(evt)):
-            kernels.append(iv)
-    return kernels, steps
+    events = list(events)
+    steps = [Interval(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events
+             if e.name == STEP_LABEL and e.device_type == DeviceType.CPU]
+    step_threads = {e.thread for e in events if e.name == STEP_LABEL and e.device_type == DeviceType.CPU}
+    engine: list[Interval] = []
+    codec: list[Interval] = []
+    if activity != "cuda":
+        for evt in events:
+            if evt.device_type != DeviceType.CPU or _annotation(evt) \
+                    or any(not _annotation(a) for a in _ancestors(evt)):
+                continue
+            iv = Interval(evt.name, float(evt.time_range.start), float(evt.time_range.end))
+            (engine if evt.thread in step_threads else codec).append(iv)
+        return TraceSplit(engine, codec, steps, "thread")
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not _annotation(e) and e.name != STEP_LABEL]
+    # The thread of the operator each kernel was launched for: kernels link to it by its correlation id.
+    launcher_thread = {e.id: e.thread for e in events if e.device_type == DeviceType.CPU and not _annotation(e)}
+    engine_streams = {getattr(k, "device_resource_id", None) for k in kernels
+                      if launcher_thread.get(getattr(k, "linked_correlation_id", 0)) in step_threads}
+    engine_streams.discard(None)
+    for k in kernels:
+        iv = Interval(k.name, float(k.time_range.start), float(k.time_range.end))
+        on_engine = not engine_streams or getattr(k, "device_resource_id", None) in engine_streams
+        (engine if on_engine else codec).append(iv)
+    return TraceSplit(engine, codec, steps, "stream" if engine_streams else "none")
+
+
+def _intervals(events: Any, activity: str) -> tuple[list[Interval], list[Interval]]:
+    """(the engine's kernels, step ranges) from a profiler's FunctionEvents (`split_by_origin`)."""
+    split = split_by_origin(events, activity)
+    return split.engine, split.steps
+
+
+def codec_summary(split: TraceSplit, *, top: int = TOP_KERNELS) -> dict[str, Any]:
+    """The codec's kernels that ran inside the profiled steps' ranges: per step, busy time, the top ones."""
+    profile = summarize(split.codec, split.steps, activity="codec", top=top)
+    return {"kernels_per_step": round(profile.kernels_per_step, 1),
+            "busy_ms_per_step": round(profile.busy_ms_per_step, 4), "top_kernels": profile.top_kernels,
+            "outside_steps": profile.unassigned_kernels}
 
 
 def _annotation(evt: Any) -> bool:
@@ -166,8 +227,9 @@ class ArmedStepProfiler:
     """The engine core's profile on request (`engine.profile_dir`): a tool (the GPU kit's serve stage) writes
     "STEPS [MIN_ROWS]" into `DIR/arm`; from the first step with at least MIN_ROWS decode rows (default 1) the
     engine-core loop profiles STEPS loop iterations (plan, launch, read-back: with overlap, the device work
-    of one step runs during the next iteration), then writes `DIR/profile.json` (StepProfile.as_dict plus
-    the mean decode rows per step) with an atomic rename and deletes the request. Used by one thread only
+    of one step runs during the next iteration), then writes `DIR/profile.json` (StepProfile.as_dict of the
+    engine's kernels, the mean decode rows per step, and the codec's kernels apart under `codec_kernels`)
+    with an atomic rename and deletes the request. Used by one thread only
     (the engine-core loop). Checking for the file costs one stat call per step."""
 
     def __init__(self, folder: str | Path, device: torch.device | str) -> None:
@@ -219,9 +281,12 @@ class ArmedStepProfiler:
         prof, self._profiler = self._profiler, None
         prof.stop()
         activity = "cuda" if self.device.type == "cuda" else "cpu"
-        kernels, ranges = _intervals(prof.events(), activity)
-        summary = summarize(kernels, ranges, activity=activity).as_dict()
+        split = split_by_origin(prof.events(), activity)
+        summary = summarize(split.engine, split.steps, activity=activity).as_dict()
         summary["decode_rows_mean"] = round(sum(self._rows) / max(1, len(self._rows)), 1)
+        # The codec's kernels, apart: they overlap the steps but are not the engine's (module docstring).
+        summary["codec_kernels"] = codec_summary(split)
+        summary["kernel_attribution"] = split.attribution
         scratch = self.result_path.with_name("profile.json.tmp")
         scratch.write_text(json.dumps(summary, indent=2))
         scratch.replace(self.result_path)

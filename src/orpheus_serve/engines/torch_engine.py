@@ -278,8 +278,9 @@ def _codec_share_bytes(config: Config, device: str) -> int:
         + (vram_budget.snac_graph_pool_bytes(codec.max_batch) if graphs else 0)  # its graphs' pool (codec/stateful.py)
 
 
-def _lora_kernel(name: str, device: torch.device) -> str:
-    """`auto`: the segmented Triton kernels on CUDA (where triton is installed), the torch path elsewhere."""
+def resolve_lora_kernel(name: str, device: torch.device) -> str:
+    """voices.lora_kernel as the engine resolves it. `auto`: the segmented Triton kernels on CUDA (where triton
+    is installed), the torch path elsewhere."""
     if name == "auto":
         return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
     if name not in ("torch", "triton"):
@@ -293,9 +294,9 @@ def _lora_kernel(name: str, device: torch.device) -> str:
     return name
 
 
-def _attention_kernel(name: str, device: torch.device) -> str:
-    """`auto`: the Triton decode kernel on CUDA (where triton is installed), SDPA elsewhere. Triton on a CPU
-    runs in its interpreter only."""
+def resolve_attention(name: str, device: torch.device) -> str:
+    """engine.attention as the engine resolves it. `auto`: the Triton decode kernel on CUDA (where triton is
+    installed), SDPA elsewhere. Triton on a CPU runs in its interpreter only."""
     if name == "auto":
         return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "sdpa"
     if name not in ("sdpa", "triton"):
@@ -314,6 +315,38 @@ def _require_triton(what: str, device: torch.device) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise EngineError(f"{what} on {device.type} runs in Triton's interpreter only: "
                           "set TRITON_INTERPRET=1 (slow; for tests) or turn it off")
+
+
+def _memory_plan(engine: TorchEngine, *, shared: Transformer | None, cuda_graphs: bool, codec_bytes: int,
+                 memory_fraction: float, lora_bytes: int, quantization: str) -> MemoryPlan:
+    """The engine's memory plan on its device (engines/memory.py), checked: EngineError when it does not fit."""
+    budget = available_bytes(engine.device)
+    if budget is not None and shared is not None:  # the shared weights are resident already: the plan counts them
+        budget += sum(p.numel() * p.element_size() for p in shared.parameters())
+    plan = plan_memory(engine.config, num_slots=engine.num_slots, max_seq_len=engine.max_seq_len,
+                       dtype=engine.dtype, max_batch_size=engine.max_batch_size, cuda_graphs=cuda_graphs,
+                       codec_bytes=codec_bytes, budget_bytes=None if budget is None else int(budget * memory_fraction),
+                       lora_pool_bytes=lora_bytes, kv_dtype=engine.kv_dtype, quantization=quantization)
+    logger.info("torch engine memory plan on %s: %s", engine.device, plan.describe())
+    plan.check()
+    return plan
+
+
+def _release_device_state(engine: TorchEngine) -> None:
+    """Drop what an engine holds on its device (graphs, compiled pass, KV caches, sampling state): on close,
+    and when the build fails part-way (only what was made by then exists; the rest, the adapter pool among
+    it, goes with the engine object)."""
+    engine._graphs = None
+    engine._compiled = None
+    model: Transformer | None = getattr(engine, "model", None)
+    if model is not None:
+        for layer in model.layers:  # a shared model (see __init__) must not keep this engine's caches alive
+            layer.attention.kv_cache = None
+    for name in ("model", "_sampling", "_last_token"):
+        if hasattr(engine, name):
+            delattr(engine, name)
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class TorchEngine:
@@ -343,8 +376,8 @@ class TorchEngine:
         self.dtype = torch_dtype(dtype)
         self._sdpa = sdpa_backends(sdpa)
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else self.dtype
-        self.attention = _attention_kernel(attention, self.device)
-        self.lora_kernel = _lora_kernel(lora_kernel, self.device)
+        self.attention = resolve_attention(attention, self.device)
+        self.lora_kernel = resolve_lora_kernel(lora_kernel, self.device)
         if fused:
             _require_triton("engine.fused", self.device)
         self.num_slots = num_slots
@@ -357,11 +390,42 @@ class TorchEngine:
 
         use_graphs = cuda_graphs and self.device.type == "cuda"
         use_lora = adapters_dir is not None and max_loras > 0
-        self.memory_plan = self._plan(
-            shared=model, cuda_graphs=use_graphs, codec_bytes=codec_bytes, memory_fraction=memory_fraction,
+        self.memory_plan = _memory_plan(
+            self, shared=model, cuda_graphs=use_graphs, codec_bytes=codec_bytes, memory_fraction=memory_fraction,
             lora_bytes=lora_pool_bytes(self.config, max_loras=max_loras, max_rank=max_lora_rank,
                                        dtype=self.dtype) if use_lora else 0, quantization=quantization)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # A build that fails part-way (a kernel that does not compile, graphs that do not capture) must not leave
+        # its KV caches on the device: a shared model would hold them for the next engine built on it.
+        self._closed = True  # until built: close() and a failed build release the same state
+        try:
+            self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._load_model(model, folder, quantization=quantization, fused=fused, use_graphs=use_graphs,
+                             adapters_dir=adapters_dir, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                             use_lora=use_lora)
+            self._sessions: list[_Session | None] = [None] * num_slots
+            self._pinned: list[str] = []  # LoRA pins of the current step (see step())
+            self._unpinned: list[str] = []
+            self._seed_source = random.Random(seed)
+            self._fused = fused
+            self._graphs: DecodeGraphs | None = None
+            self.compile_s: float | None = None  # torch.compile's start-up time (compile_decode)
+            self.graph_capture_s: float | None = None
+            self._compiled: CompiledDecode | None = None
+            if compile_decode:
+                self._compile(compile_cache_dir, scratch_slot=num_slots if use_graphs else 0)
+            self.sdpa_backend = _serving_sdpa(self.config, sdpa, self.device, self.dtype)
+            if use_graphs:
+                self._capture_graphs()
+        except BaseException:
+            _release_device_state(self)
+            raise
+        self._closed = False
+
+    def _load_model(self, model: Transformer | None, folder: Path, *, quantization: str, fused: bool, use_graphs: bool,
+                    adapters_dir: str | Path | None, max_loras: int, max_lora_rank: int, use_lora: bool) -> None:
+        """The weights (loaded, or a shared model checked), this engine's caches and sampling state on its device,
+        and the adapter pool."""
+        num_slots = self.num_slots
         with self._on_stream():
             if model is None:
                 model = load_transformer(folder, dtype=self.dtype, device=self.device)
@@ -373,7 +437,7 @@ class TorchEngine:
                 self.model.quantize_weights_fp8()
             self.model.use_fused_kernels(fused)  # set either way: a shared model may come from a fused engine
             # With graphs, one extra cache row takes the padding rows' writes.
-            self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, max_seq_len,
+            self.model.setup_caches(num_slots + 1 if use_graphs else num_slots, self.max_seq_len,
                                     kv_dtype=self.kv_dtype, attention=self.attention)
             # A CPU filters among the 64 most likely first (exact; cheaper than sorting 4097 per row). With graphs,
             # the scratch slot has a row too: padding rows are sampled inside a fused engine's graphs.
@@ -384,35 +448,6 @@ class TorchEngine:
             self.lora: LoraManager | None = LoraManager(
                 self.config, adapters_dir=adapters_dir, max_loras=max_loras, max_rank=max_lora_rank,
                 dtype=self.dtype, device=self.device) if use_lora else None
-        self._sessions: list[_Session | None] = [None] * num_slots
-        self._pinned: list[str] = []  # LoRA pins of the current step (see step())
-        self._unpinned: list[str] = []
-        self._seed_source = random.Random(seed)
-        self._closed = False
-        self._fused = fused
-        self._graphs: DecodeGraphs | None = None
-        self.compile_s: float | None = None  # torch.compile's start-up time (compile_decode)
-        self.graph_capture_s: float | None = None
-        self._compiled: CompiledDecode | None = None
-        if compile_decode:
-            self._compile(compile_cache_dir, scratch_slot=num_slots if use_graphs else 0)
-        self.sdpa_backend = _serving_sdpa(self.config, sdpa, self.device, self.dtype)
-        if use_graphs:
-            self._capture_graphs()
-
-    def _plan(self, *, shared: Transformer | None, cuda_graphs: bool, codec_bytes: int, memory_fraction: float,
-              lora_bytes: int, quantization: str) -> MemoryPlan:
-        """The memory plan on this device (engines/memory.py), checked: EngineError when it does not fit."""
-        budget = available_bytes(self.device)
-        if budget is not None and shared is not None:  # the shared weights are resident already: the plan counts them
-            budget += sum(p.numel() * p.element_size() for p in shared.parameters())
-        plan = plan_memory(self.config, num_slots=self.num_slots, max_seq_len=self.max_seq_len, dtype=self.dtype,
-                           max_batch_size=self.max_batch_size, cuda_graphs=cuda_graphs, codec_bytes=codec_bytes,
-                           budget_bytes=None if budget is None else int(budget * memory_fraction),
-                           lora_pool_bytes=lora_bytes, kv_dtype=self.kv_dtype, quantization=quantization)
-        logger.info("torch engine memory plan on %s: %s", self.device, plan.describe())
-        plan.check()
-        return plan
 
     def _compile(self, cache_dir: str | Path | None, *, scratch_slot: int) -> None:
         """Compile the decode pass and run it once per variant (compiled.py), before any graph is captured."""
@@ -442,6 +477,11 @@ class TorchEngine:
         """The decode graphs this engine's configuration captures on CUDA (whatever its device)."""
         return decode_graph_keys(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                                  attention=self.attention, lora=self.lora is not None)
+
+    @property
+    def compiled_decode(self) -> CompiledDecode | None:
+        """The compiled decode pass (`compile_decode`), with its count of compilations; None when eager."""
+        return self._compiled
 
     @property
     def graph_keys(self) -> list[GraphKey]:
@@ -532,12 +572,7 @@ class TorchEngine:
         self._closed = True
         if self._stream is not None:
             self._stream.synchronize()
-        self._graphs = None
-        for layer in self.model.layers:  # a shared model (see __init__) must not keep this engine's caches alive
-            layer.attention.kv_cache = None
-        del self.model, self._sampling, self._last_token
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release_device_state(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -688,8 +723,11 @@ class TorchEngine:
                                              ints_to_device(entries, self.device) if any(entries) else None,
                                              steps=steps if all(constrained) else None)
         else:
-            # Eager: the kernels where chosen (CUDA), else the host's grouping, which costs a CPU least.
-            lora = self._lora_batch(entries, mode="kernel" if self.lora_kernel == "triton" else "gather")
+            # Eager: the kernels where chosen (CUDA), else the host's grouping, which costs a CPU least. The compiled
+            # pass takes the rows' entries on the device (kernel or pool mode, as its warm-up compiled it): the
+            # host's grouping would be a new argument structure, compiled again per grouping.
+            mode: LoraMode = "kernel" if self.lora_kernel == "triton" else "pool" if self._compiled else "gather"
+            lora = self._lora_batch(entries, mode=mode)
             decode = self._compiled or self.model.decode
             args = (tokens, slots, positions, kv_len) if lora is None else (tokens, slots, positions, kv_len, lora)
             hidden = decode(*args)  # [B, dim]
