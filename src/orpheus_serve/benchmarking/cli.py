@@ -3,6 +3,7 @@
     python benchmark.py --mode all --compare baseline --output results/results.json
     python benchmark.py --mode scaling --concurrent 32 --protocol mixed --url http://host:8000 --grpc-addr host:50051
     python benchmark.py --mode input-stream --concurrent 8   (text streamed in at 30 tokens/s; or --input-stream)
+    python benchmark.py --mode sim --sim-profile docs/gpu-results/DIR --sim-card-serve   (the card's serve stage, replayed)
 
 Without --url the benchmark starts its own servers (production_server.py subprocesses on
 loopback) with the config plus --set overrides; with --url it measures that server
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..replay import CardProfile
 from ..request.types import PROTOCOLS
 from ..token_format import FRAME_SECONDS
 from .launch import LaunchedServer
@@ -78,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "H100 cost model")
     ap.add_argument("--sim-profile-variant", default=None,
                     help="the profile's engine rows to replay (default: triton where measured, else sdpa)")
+    ap.add_argument("--sim-card-serve", action="store_true",
+                    help="with --sim-profile: replay the folder's own serve stage (serve.json: its levels, load and "
+                         "server settings) and compare each level with the card's (held streams, real-time share, "
+                         "loop ms a step, codec ms a pass)")
+    ap.add_argument("--sim-levels", type=int, nargs="+", default=None, metavar="N",
+                    help="the levels of --sim-card-serve (default: serve.json's)")
     ap.add_argument("--sim-max-batch", type=int, default=512,
                     help="scheduler.max_batch_size of the sim server: smaller steps for new sessions' first audio")
     ap.add_argument("--sim-admission", nargs="+", choices=("queue", "reject"), default=["queue", "reject"],
@@ -228,13 +236,13 @@ class Bench:
         levels = sorted({32, 64, ttfb_bound, streams, int(0.9 * bound)} - {0})
         slots = max(levels)
         overrides = sim_overrides(cost, slots=slots, frames=frames, max_batch=self.args.sim_max_batch)
+        inputs = None
         if profile is not None:
-            overrides.append(f"engine.sim.profile={self.args.sim_profile.resolve()}")
-            if self.args.sim_profile_variant:
-                overrides.append(f"engine.sim.profile_variant={self.args.sim_profile_variant}")
+            overrides += self.profile_overrides()
+            inputs = self.replay_inputs(profile, overrides)
         out: dict[str, Any] = {
             "cost_model": cost.model_dump() if profile is None else profile.describe(),
-            "profile": None if profile is None else profile.name,
+            "profile": None if profile is None else profile.name, "replay_inputs": inputs,
             "utterance_seconds": round(frames * FRAME_SECONDS, 3),
             "max_batch_size": min(self.args.sim_max_batch, slots), "protocol": self.args.sim_protocol,
             "analytic_bound": bound, "ttfb_feasible_bound": ttfb_bound,
@@ -269,6 +277,85 @@ class Bench:
                               "worst_realtime_of_started": worst}
         # The sweep plotted and compared across runs: the default admission mode.
         out["rows"] = out[self.args.sim_admission[0]]["rows"]
+        return out
+
+    def profile_overrides(self) -> list[str]:
+        assert self.args.sim_profile is not None
+        overrides = [f"engine.sim.profile={self.args.sim_profile.resolve()}"]
+        if self.args.sim_profile_variant:
+            overrides.append(f"engine.sim.profile_variant={self.args.sim_profile_variant}")
+        return overrides
+
+    def replay_inputs(self, profile: CardProfile, overrides: list[str]) -> dict[str, Any]:
+        """What the replay rests on (measured, estimated, paths the card never ran), printed before its results."""
+        from ..config import load_config
+        from ..replay import format_inputs
+
+        config = load_config(self.args.config, overrides=[*self.args.set, *overrides])
+        inputs = profile.inputs_record(ragged_steps=config.codec.ragged_steps is not False)
+        print(format_inputs(inputs), flush=True)
+        return inputs
+
+    def card_serve(self) -> dict[str, Any]:
+        """The profile folder's own serve stage, replayed: its levels, load and server settings on the sim engine
+        and sim codec, each level set beside the card's (replay/calibration.py)."""
+        import json
+
+        from ..replay import load_profile
+        from ..replay.calibration import card_serve_workload, codec_totals, compare_level, format_comparison
+
+        assert self.args.sim_profile is not None
+        profile = load_profile(self.args.sim_profile, variant=self.args.sim_profile_variant)
+        serve_path = self.args.sim_profile / "serve.json"
+        workload = card_serve_workload(json.loads(serve_path.read_text()))
+        levels = tuple(self.args.sim_levels or workload.levels)
+        frames = workload.max_tokens // 7
+        slots = max(levels)
+        # The card's utterances ran to max_tokens (random weights never end one early): every one is `frames` long.
+        overrides = [*sim_overrides(h100_fp8_cost(), slots=slots, frames=frames, max_batch=self.args.sim_max_batch),
+                     *workload.server_overrides, *self.profile_overrides()]
+        inputs = self.replay_inputs(profile, overrides)
+        out: dict[str, Any] = {"profile": profile.describe(), "replay_inputs": inputs, "levels": list(levels),
+                               "overrides": overrides, "protocol": workload.protocol, "max_tokens": workload.max_tokens,
+                               "ramp_s": workload.ramp_s, "requests_per_stream": workload.requests_per_stream,
+                               "card_codec": workload.card_codec, "server_cpus": self.args.server_cpus}
+
+        def spec(c: int) -> LoadSpec:
+            # As the kit's serve stage: short texts only, so max_tokens fixes every length.
+            return LoadSpec(requests=c * workload.requests_per_stream, concurrency=c, protocol=workload.protocol,
+                            seed=self.args.seed, max_tokens=workload.max_tokens, ramp_s=workload.ramp_s,
+                            text_mix=(1.0, 0.0, 0.0))
+
+        rows, comparison = [], {}
+        with self.server("sim-card-serve", overrides) as target:
+            if workload.warmup_concurrency:
+                out["warmup"] = self.run_level(target, spec(workload.warmup_concurrency), "card serve warm-up")
+            codec_start = target.stats().get("codec")
+            for c in levels:
+                before = target.stats().get("codec")
+                row = self.run_level(target, spec(c), "card serve")
+                level_codec = codec_totals(target.stats().get("codec"), before)
+                if level_codec and row.get("codec_ms_per_pass") is None:
+                    row["codec_ms_per_pass"] = level_codec["ms_per_pass"]
+                    row["codec_frames_per_pass"] = level_codec["frames_per_pass"]
+                rows.append(row)
+            run_codec = codec_totals(target.stats().get("codec"), codec_start)
+        out["replay_codec"] = run_codec
+        for row in rows:
+            card_row = workload.card_rows.get(row["concurrency"])
+            if card_row is None:
+                continue
+            # The card recorded its codec per run, not per level: both sides then use the run's totals.
+            per_run = not (card_row.get("admission_inputs") or card_row.get("codec_ms_per_pass"))
+            replay_row = {k: v for k, v in row.items()
+                          if not (per_run and k in ("admission_inputs", "codec_ms_per_pass"))}
+            entries = compare_level(card_row, replay_row, card_codec=workload.card_codec, replay_codec=run_codec)
+            comparison[str(row["concurrency"])] = entries
+            print(format_comparison(row["concurrency"], entries), flush=True)
+        if inputs["unmeasured_paths"]:
+            print(f"{inputs['label']}: {', '.join(inputs['unmeasured_paths'])}", flush=True)
+        out["rows"] = rows
+        out["comparison"] = comparison
         return out
 
 
@@ -321,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     if "tuning" in modes and not args.url:
         results["tuning"] = bench.tuning()
     if "sim" in modes and not args.url:
-        results["sim"] = bench.sim()
+        if args.sim_card_serve:
+            if args.sim_profile is None:
+                raise SystemExit("--sim-card-serve replays a profile folder's serve stage: give --sim-profile")
+            results["sim_card_serve"] = bench.card_serve()
+        else:
+            results["sim"] = bench.sim()
     if args.compare and not args.url:
         results["compare"] = bench.compare(batched_top)
     results["wall_seconds"] = round(time.perf_counter() - t0, 1)

@@ -6,6 +6,6 @@
 """
 
 from .card import ModelledCard
-from .profile import CardProfile, ProfileError, load_profile
+from .profile import UNMEASURED_LABEL, CardProfile, ProfileError, format_inputs, load_profile
 
-__all__ = ["CardProfile", "ModelledCard", "ProfileError", "load_profile"]
+__all__ = ["UNMEASURED_LABEL", "CardProfile", "ModelledCard", "ProfileError", "format_inputs", "load_profile"]
