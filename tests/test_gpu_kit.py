@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orpheus_serve.benchmarking.runner import ADMISSION_NUMBERS, summarize_admission_inputs  # noqa: E402
-from scripts.gpu import bare_box, kit, report  # noqa: E402
+from scripts.gpu import bare_box, report  # noqa: E402
+from scripts.gpu.stages import check, common, serve  # noqa: E402
+from scripts.gpu.stages import engine as engine_stage  # noqa: E402
 
-STAGES = ("check", "engine", "codec", "serve")
+STAGES = ("check", "engine", "codec", "serve")  # the four the report tests merge
 PREPARE = ROOT / "scripts" / "gpu" / "prepare.sh"
 REPORT = [sys.executable, str(ROOT / "scripts" / "gpu" / "report.py")]
 
@@ -81,7 +84,7 @@ def test_the_bare_box_holds_only_the_box_packages(box: tuple[Path, Path]) -> Non
 
 def test_every_stage_module_imports_and_gpu_tests_collect_on_the_bare_box(box: tuple[Path, Path]) -> None:
     python, site = box
-    proc = box_run(python, site, "scripts/gpu/kit.py", "imports", *STAGES)
+    proc = box_run(python, site, "scripts/gpu/kit.py", "imports", *common.STAGES)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = re.search(r"(\d+)/\d+ tests collected|(\d+) tests collected", proc.stdout)
     assert collected and int(collected.group(1) or collected.group(2)) > 0, proc.stdout[-2000:]
@@ -122,32 +125,32 @@ def test_prepare_pins_every_wheel_at_a_version_the_project_accepts() -> None:
 
 def test_check_fails_unless_a_gpu_test_passed() -> None:
     # On a GPU box every GPU test skipping (pytest exits 0) means CUDA was not seen: a failure.
-    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=False)
-    assert kit.check_verdict({"passed": 3, "failed": 1, "skipped": 0}, 1, dry_run=False)
-    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 0}, 5, dry_run=False)
-    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 0}, 5, dry_run=True)
-    assert kit.check_verdict({"passed": 12, "failed": 0, "skipped": 6}, 0, dry_run=False) == []
-    assert kit.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=True) == []
+    assert check.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=False)
+    assert check.check_verdict({"passed": 3, "failed": 1, "skipped": 0}, 1, dry_run=False)
+    assert check.check_verdict({"passed": 0, "failed": 0, "skipped": 0}, 5, dry_run=False)
+    assert check.check_verdict({"passed": 0, "failed": 0, "skipped": 0}, 5, dry_run=True)
+    assert check.check_verdict({"passed": 12, "failed": 0, "skipped": 6}, 0, dry_run=False) == []
+    assert check.check_verdict({"passed": 0, "failed": 0, "skipped": 18}, 0, dry_run=True) == []
 
 
 def test_check_runs_the_gpu_marked_test_files() -> None:
-    files = kit.gpu_test_files()
+    files = check.gpu_test_files()
     assert {"tests/test_torch_engine.py", "tests/test_codec_stateful.py", "tests/test_engine_sdpa.py"} <= set(files)
     assert "tests/test_gpu_kit.py" not in files  # `gpukit` is not `gpu`
 
 
 def test_gpu_readings_tolerate_not_available_and_keep_zeros() -> None:
-    assert kit.parse_smi_numbers("37, 1234") == (37.0, 1234.0)
-    assert kit.parse_smi_numbers("[N/A], 1234") is None
-    summary = kit.summarize_gpu_samples([(0.0, 100.0), (80.0, 200.0)], not_available=1)
+    assert serve.parse_smi_numbers("37, 1234") == (37.0, 1234.0)
+    assert serve.parse_smi_numbers("[N/A], 1234") is None
+    summary = serve.summarize_gpu_samples([(0.0, 100.0), (80.0, 200.0)], not_available=1)
     assert summary["util_mean_pct"] == 40.0 and summary["util_zero_samples"] == 1 and summary["not_available"] == 1
 
 
 def test_realtime_held_needs_full_length_streams() -> None:
     row = {"concurrency": 8, "requests": 16, "succeeded": 16, "underrun_streams": 0, "ttfb_p95_ms": 120.0,
            "short_streams": 0}
-    assert kit.realtime_held([row], 150) == 8 and kit.realtime_held([row], 100) is None
-    assert kit.realtime_held([{**row, "short_streams": 1}], 150) is None
+    assert serve.realtime_held([row], 150) == 8 and serve.realtime_held([row], 100) is None
+    assert serve.realtime_held([{**row, "short_streams": 1}], 150) is None
 
 
 def performance_doc(path: Path) -> None:
@@ -260,7 +263,7 @@ def test_the_serve_tables_show_the_admission_inputs_and_the_level_with_admission
     data = {"rows": [serve_row(16, admission_inputs=inputs)], "realtime_held": {"150": 16, "300": 16},
             "admission_fixed": serve_row(16, admission="slots", admission_inputs=summarize_admission_inputs(
                 [{"limit_reason": "slots"}])),
-            "max_tokens": 280, "expected_stream_audio_s": 3.413, "shapes": dataclasses.asdict(kit.REAL)}
+            "max_tokens": 280, "expected_stream_audio_s": 3.413, "shapes": dataclasses.asdict(common.REAL)}
     table = report.render_serve(data)
     assert "| 16 | 16 | 16 | 90.00 | 140.00 |" in table and "| 16 (admission slots) | 16 | 16 |" in table
     assert "| 16 | 3 | lead 3 | 120 | - | - | - | - | 12.00 / 19.00 | - / - | - | 1.50 | - |" in table
@@ -268,21 +271,22 @@ def test_the_serve_tables_show_the_admission_inputs_and_the_level_with_admission
     assert "real-time streams at p95 TTFB < 150 ms: **16**" in table and "1 per stream" in table
 
 
-def test_the_serve_stage_covers_16_to_384_and_fits_the_first_call() -> None:
-    """The first call (540 s with a ~30 s machine start: `run.sh --budget 500 serve`) holds the warm-up, every
-    level and the level with admission fixed, each at its worst, on the H200's measured start-up times."""
+def test_the_serve_stage_covers_16_to_256_and_a_fifteen_minute_loan_gives_it_every_level() -> None:
+    """Levels from 16 to 256 streams: past twice what the H200's engine carried (about 120), so the top levels
+    are overload. On a 15-minute loan with a 90 s start, the plan gives serve every level, the profile round
+    and the row with admission fixed, each at its worst, on the H200's measured start-up times."""
     from orpheus_serve.config import SchedulerConfig
+    from scripts.gpu import plan as loan
 
-    shapes = kit.REAL
-    assert shapes.serve_levels[0] == 16 and shapes.serve_levels[-1] == 384
-    worst = kit.serve_level_worst_s(shapes, kit.expected_audio_s(shapes.serve_max_tokens),
+    shapes = common.REAL
+    assert shapes.serve_levels[0] == 16 and shapes.serve_levels[-1] == 256
+    assert tuple(shapes.serve_levels) == loan.SERVE_LEVELS
+    worst = serve.serve_level_worst_s(shapes, serve.expected_audio_s(shapes.serve_max_tokens),
                                     SchedulerConfig().queue_timeout_s)
-    wheels_s, model_s, server_start_s, archive_s = 2, 8, 30, 10
-    planned = wheels_s + model_s + server_start_s + worst * (1 + len(shapes.serve_levels)) + server_start_s + worst
-    assert planned <= 500 - archive_s, planned
-    readme = (ROOT / "scripts" / "gpu" / "README.md").read_text()
-    assert "bash scripts/gpu/run.sh --budget 500 serve" in readme
-    assert "bash scripts/gpu/run.sh --budget 245 check codec engine" in readme
+    assert worst == pytest.approx(loan.LEVEL_WORST_S, abs=0.01)
+    for card in ("h100", "h200"):
+        given = {s.name: s.given_s for c in loan.plan_loan(900, card=card, start_s=90).calls for s in c.stages}
+        assert given["serve"] == loan.STAGE_COSTS["serve"].planned_s(loan.CARDS[card])
 
 
 def test_report_merges_stages_and_keeps_the_raw_json(tmp_path: Path) -> None:
@@ -314,28 +318,28 @@ def test_report_merges_stages_and_keeps_the_raw_json(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- the engine stage's sub-steps
 
 
-def engine_run(tmp_path: Path, *, left_s: float, **shapes: object) -> kit.StageRun:
+def engine_run(tmp_path: Path, *, left_s: float, **shapes: object) -> common.StageRun:
     """An engine stage run on the dry shapes, its main bench already measured, `left_s` to its deadline."""
     import dataclasses
     import time
 
-    run = kit.StageRun("engine", dataclasses.replace(kit.DRY, **shapes), results=tmp_path / "out",
+    run = common.StageRun("engine", dataclasses.replace(common.DRY, **shapes), results=tmp_path / "out",
                        work=tmp_path / "work", deadline=time.time() + left_s, dry_run=True)
     row = {"variant": "base", "kv_len_first": 250, "kv_len_last": 255, "graphs": True, "constrained": True,
            "batch": 2, "step_ms": 1.0, "tokens_per_s": 2000.0, "x_batch_1": 1.8, "build_s": 0.5}
     bench = {"rows": [row], "complete": True, "skipped": [{"variant": "compiled", "reason": "no compile option"}]}
     run.data.update(bench=bench, slots_that_fit=[], sdpa=["cpu"], complete=True,
-                    variants=kit.variant_rows(run.shapes, bench))
+                    variants=engine_stage.variant_rows(run.shapes.variants, bench, run.shapes, lora=None))
     return run
 
 
 def test_engine_sub_steps_short_of_time_are_skipped_and_said_so(tmp_path: Path) -> None:
     run = engine_run(tmp_path, left_s=5)
     llama = tmp_path / "no-model"  # nothing may start: the time check comes first
-    run.data["lora"] = kit._engine_lora(run, llama)
-    run.data["gemm"] = kit._engine_gemm_shapes(run, llama)
-    run.data["variants"] = kit.variant_rows(run.shapes, run.data["bench"], run.data["lora"])
-    kit.render_engine(run)
+    run.data["lora"] = engine_stage.engine_lora(run, llama)
+    run.data["gemm"] = engine_stage.engine_gemm_shapes(run, llama)
+    run.data["variants"] = engine_stage.variant_rows(run.shapes.variants, run.data["bench"], run.shapes, run.data["lora"])
+    engine_stage.render_engine(run)
     assert run.data["lora"] == {"status": "skipped", "reason": "5 s left, 20 s needed", "rows": []}
     assert run.data["gemm"]["status"] == "skipped" and not run.data["gemm"]["rows"]
     assert all(p.endswith("(deadline)") for p in run.data["problems"]) and len(run.data["problems"]) == 2
@@ -358,9 +362,9 @@ def test_a_failed_engine_sub_step_is_reported_not_merged_as_a_number(tmp_path: P
         return subprocess.CompletedProcess(cmd, 1, "Traceback ...\nRuntimeError: CUDA out of memory", "")
 
     monkeypatch.setattr(run, "run", failing)
-    run.data["lora"] = kit._engine_lora(run, tmp_path / "model")
-    run.data["gemm"] = kit._engine_gemm_shapes(run, tmp_path / "model")
-    kit.render_engine(run)
+    run.data["lora"] = engine_stage.engine_lora(run, tmp_path / "model")
+    run.data["gemm"] = engine_stage.engine_gemm_shapes(run, tmp_path / "model")
+    engine_stage.render_engine(run)
     assert run.data["lora"]["status"] == "failed" and "out of memory" in run.data["lora"]["reason"]
     assert run.data["gemm"]["status"] == "failed" and "gemm" not in run.data["gemm"]
     assert all(p.endswith("(sub-step failed)") for p in run.data["problems"])
@@ -403,26 +407,32 @@ def test_the_engine_stage_measures_adapters_and_variants(tmp_path: Path) -> None
     assert "Top kernels at batch 1:" in merged and "| batch | activity | steps |" in merged
 
 
-def check_engine_variants_and_profile(engine: dict[str, object]) -> None:
-    """The dry run's engine.json: a row per named variant (measured, or skipped with its reason), a profile per
-    profiled batch, the GEMM shapes."""
+def check_engine_variants_and_profile(engine: dict[str, object], *, lora: bool = True) -> None:
+    """An engine stage's dry-run JSON (engine, base or compiled): a row per planned variant (measured, or skipped
+    or failed with its reason, never a number), the lora rows after them in the engine stage, a profile per
+    profiled batch of its first variant, the GEMM shapes in the engine stage."""
+    planned = engine["variants_planned"]
     variants = {v["variant"]: v for v in engine["variants"]}  # type: ignore[union-attr]
-    assert list(variants) == [*kit.DRY.variants, "lora0", "lora1", "lora2"]
+    assert list(variants) == [*planned, *(["lora0", "lora1", "lora2"] if lora else [])]  # type: ignore[misc]
     for name, row in variants.items():
         if row["status"] == "measured":
             assert all(float(v) > 0 for v in row["tokens_per_s"].values()), name
             if not name.startswith("lora"):
                 assert set(row["step_ms"]) == {"1", "2"} and row["build_s"] >= 0, name
+                if engine.get("attention_requested"):  # the dry run asks for the Triton kernels (interpreted)
+                    assert row["attention"] == "triton", name
         else:
             assert row["status"] in ("skipped", "failed") and row["reason"] and "step_ms" not in row, name
-    assert all(variants[v]["status"] == "measured" for v in ("base", "fused", "fp8kv", "fp8w"))
+    assert all(variants[v]["status"] == "measured" for v in ("base", "fused", "fp8kv", "fp8w") if v in variants)
     profile = engine["profile"]
-    assert profile["variant"] == "base" and [p["batch"] for p in profile["batches"]] == [1, 2]  # type: ignore[index]
+    assert profile["variant"] == planned[0] and profile["status"] == "measured"  # type: ignore[index]
+    assert [p["batch"] for p in profile["batches"]] == [1, 2] and not profile["failed"]  # type: ignore[index]
     for p in profile["batches"]:  # type: ignore[index]
         assert p["activity"] == "cpu" and p["kernels_per_step"] > 0 and 0 <= p["idle_share"] < 1
         assert p["top_kernels"] and abs(sum(k["share"] for k in p["top_kernels"]) - 1) < 0.5
-    gemm = engine["gemm"]
-    assert gemm["status"] == "measured" and {r["gemm"] for r in gemm["rows"]} == {"qkv", "o", "gate_up", "down"}
+    if lora:
+        gemm = engine["gemm"]
+        assert gemm["status"] == "measured" and {r["gemm"] for r in gemm["rows"]} == {"qkv", "o", "gate_up", "down"}
 
 
 def test_run_sh_rejects_unknown_stages_and_bad_budgets() -> None:
@@ -458,11 +468,294 @@ def test_an_in_process_server_needs_no_zeromq() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]
 
 
+# ----------------------------------------------------------------- stages in the order of their value
+
+
+def test_the_engine_stages_split_the_variants_and_engine_can_run_them_all() -> None:
+    shapes = common.DRY
+    assert engine_stage.stage_variants("base", shapes) == ["base"]
+    assert engine_stage.stage_variants("compiled", shapes) == ["compiled"]
+    assert engine_stage.stage_variants("engine", shapes) == ["fused", "fp8kv", "fp8w"]
+    assert engine_stage.stage_variants("engine", shapes, ["all"]) == shapes.variants
+    assert engine_stage.stage_variants("engine", shapes, ["fp8w", "base"]) == ["base", "fp8w"]  # the kit's order
+    with pytest.raises(ValueError, match="unknown variants"):
+        engine_stage.stage_variants("engine", shapes, ["fast"])
+    assert common.STAGES == ("serve", "base", "check", "codec", "engine", "compiled")
+    assert set(common.STAGE_MODULES) == set(common.STAGES)
+
+
+def test_each_stage_option_belongs_to_its_stage() -> None:
+    from scripts.gpu import kit
+
+    for argv in (["check", "--tag", "again"], ["engine", "--override", "codec.ragged_steps=false"],
+                 ["base", "--variants", "all"], ["serve", "--tests", "tests/test_fused.py"],
+                 ["serve", "--override", "no-equals-sign"], ["serve", "--tag", "check"]):
+        with pytest.raises(SystemExit) as stopped:
+            kit.main([*argv, "--results", "/nonexistent", "--dry-run"])
+        assert stopped.value.code == 2, argv
+
+
+# ----------------------------------------------------------------- the check stage's time and order
+
+
+def test_check_runs_the_riskiest_gpu_test_files_first() -> None:
+    files = ["tests/test_codec.py", "tests/test_fused.py", "tests/test_lora.py", "tests/test_zeta.py",
+             "tests/test_lora_kernels.py", "tests/test_alpha.py"]
+    durations = {"tests/test_zeta.py::test_a": 1.0, "tests/test_codec.py::test_a": 3.0,
+                 "tests/test_codec.py::test_b": 4.0}
+    assert check.ordered_test_files(files, durations) == [
+        "tests/test_fused.py", "tests/test_lora_kernels.py", "tests/test_lora.py",  # at risk first
+        "tests/test_zeta.py", "tests/test_codec.py",  # then the shortest known
+        "tests/test_alpha.py"]  # then those never timed
+    ordered = check.ordered_test_files(check.gpu_test_files(), check.recorded_durations())
+    assert ordered[:2] == ["tests/test_fused.py", "tests/test_lora_kernels.py"]
+    assert sorted(ordered) == check.gpu_test_files()
+
+
+def test_check_counts_tests_not_run_for_lack_of_time_as_the_deadline() -> None:
+    stopped = {"passed": 3, "failed": 0, "skipped": 1, "not_run": 5}
+    for exit_code in (1, 2, 124):  # session timeout, SIGTERM, the stage's own stop
+        problems = check.check_verdict(stopped, exit_code, dry_run=False)
+        assert problems == ["5 of 9 GPU test(s) not run: the stage's time ran out (deadline)"], exit_code
+    assert "1 GPU test(s) failed" in check.check_verdict({**stopped, "failed": 1}, 1, dry_run=False)
+    assert check.check_verdict({**stopped, "not_run": 0}, 1, dry_run=False) == ["pytest exited 1"]
+    # Collected but none ran (the time ran out at once) is the deadline too, not "no GPU test was collected".
+    assert check.check_verdict({"passed": 0, "failed": 0, "skipped": 0, "not_run": 4}, 2, dry_run=False) == [
+        "4 of 4 GPU test(s) not run: the stage's time ran out (deadline)"]
+
+
+def test_the_progress_file_gives_each_test_one_outcome(tmp_path: Path) -> None:
+    lines = [{"collected": ["t.py::a", "t.py::b", "t.py::c", "t.py::d", "t.py::e"]},
+             {"nodeid": "t.py::a", "when": "call", "outcome": "passed", "seconds": 1.5, "message": ""},
+             {"nodeid": "t.py::a", "when": "teardown", "outcome": "failed", "seconds": 0.5, "message": "leak"},
+             {"nodeid": "t.py::b", "when": "setup", "outcome": "skipped", "seconds": 0.0, "message": "no CUDA"},
+             {"nodeid": "t.py::c", "when": "call", "outcome": "passed", "seconds": 2.0, "message": ""}]
+    progress = tmp_path / "progress.jsonl"
+    progress.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"nodeid": "t.py::d", "wh')  # cut
+    collected, tests = check.read_progress(progress)
+    assert collected == [f"t.py::{n}" for n in "abcde"]
+    assert tests == {"t.py::a": {"outcome": "failed", "seconds": 2.0, "message": "leak"},
+                     "t.py::b": {"outcome": "skipped", "seconds": 0.0, "message": "no CUDA"},
+                     "t.py::c": {"outcome": "passed", "seconds": 2.0, "message": ""}}
+    assert check.count_outcomes(collected, tests) == {"passed": 1, "failed": 1, "skipped": 1, "collected": 5,
+                                                      "not_run": 2}
+
+
+SLOW_GPU_TESTS = """
+import time
+
+import pytest
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_skips():
+    pytest.skip("on purpose")
+
+
+@gpu
+@pytest.mark.parametrize("index", range(30))
+def test_slow(index):
+    time.sleep(1.0)
+"""
+
+
+def kit_check(tmp_path: Path, tests: Path, *, deadline_s: float) -> subprocess.Popen[str]:
+    """`kit.py check --dry-run` over `tests`, in its own process group as run.sh's `timeout` runs it."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "gpu" / "kit.py"), "check", "--dry-run", "--results",
+         str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--deadline", str(time.time() + deadline_s),
+         "--tests", str(tests)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def check_after_a_cut(tmp_path: Path) -> tuple[dict, dict]:
+    data = json.loads((tmp_path / "out" / "check.json").read_text())
+    summary = data["pytest"]
+    junit = tmp_path / "work" / "logs" / "check-junit.xml"
+    assert junit.exists(), "pytest ended without writing its JUnit file"
+    assert data["partial"] is True and data["complete"] is False
+    assert summary["collected"] == 31 and summary["skipped"] == 1 and summary["failed"] == 0
+    assert summary["passed"] >= 1 and summary["not_run"] >= 1
+    assert summary["passed"] + summary["skipped"] + summary["not_run"] == 31
+    assert len(summary["not_run_tests"]) == summary["not_run"] and len(summary["durations"]) == 31 - summary["not_run"]
+    # What JUnit recorded is what the stage counted (the test still running at a SIGTERM is in neither: JUnit
+    # leaves an empty, nameless testcase for it).
+    import xml.etree.ElementTree as ET
+
+    cases = [c for c in ET.parse(junit).getroot().iter("testcase") if c.get("name")]
+    assert len(cases) == summary["passed"] + summary["skipped"]
+    return data, summary
+
+
+def test_the_check_stage_stopped_by_its_deadline_leaves_its_junit_and_what_ran(tmp_path: Path) -> None:
+    tests = tmp_path / "test_slow_gpu.py"
+    tests.write_text(SLOW_GPU_TESTS)
+    # Room for pytest's start and a few 1 s tests under the session timeout (the deadline less 12 s).
+    proc = kit_check(tmp_path, tests, deadline_s=24)
+    output, _ = proc.communicate(timeout=60)
+    data, summary = check_after_a_cut(tmp_path)
+    assert summary["session_timeout_s"] <= 24 - check.SESSION_MARGIN_S
+    assert data["ok"] is True, output[-3000:]  # partial, not failed: nothing failed, the time ran out
+    assert data["problems"] == [f"{summary['not_run']} of 31 GPU test(s) not run: the stage's time ran out "
+                                "(deadline)"]
+    assert "session-timeout" in (tmp_path / "work" / "logs" / "check-pytest.log").read_text()
+    assert "| pytest -m gpu | " in data["table"] and "not run:" in data["table"]
+
+
+def test_the_check_stage_killed_mid_run_keeps_what_ran(tmp_path: Path) -> None:
+    """SIGTERM to the stage's process group (run.sh's `timeout`) while pytest runs: pytest ends its session
+    and writes its JUnit file; the stage saves the tests that ran, marked partial, before the KILL would come."""
+    import signal
+
+    tests = tmp_path / "test_slow_gpu.py"
+    tests.write_text(SLOW_GPU_TESTS)
+    proc = kit_check(tmp_path, tests, deadline_s=300)
+    progress = tmp_path / "work" / "check-progress.jsonl"
+    started = time.monotonic()
+    while time.monotonic() - started < 60 and proc.poll() is None:
+        if progress.exists() and len(progress.read_text().splitlines()) >= 4:  # collected, a skip, two passes
+            break
+        time.sleep(0.2)  # polling a file another process writes: there is nothing to wait on
+    os.killpg(proc.pid, signal.SIGTERM)
+    killed = time.monotonic()
+    output, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - killed < 10, "the stage outlived the 10 s before run.sh's KILL"
+    data, summary = check_after_a_cut(tmp_path)
+    assert data["killed"] and summary["exit_code"] == 124, output[-3000:]
+    assert data["ok"] is True and all(p.endswith("(deadline)") for p in data["problems"])
+
+
+# ----------------------------------------------------------------- nothing measured is lost
+
+
+def profiled(variant: str, batch: int, kernels: int, **changes: object) -> dict[str, object]:
+    entry: dict[str, object] = {"variant": variant, "batch": batch, "activity": "cuda", "steps": 5, "step_ms": 2.0,
+                                "busy_ms_per_step": 1.8, "kernels_per_step": kernels, "idle_share": 0.1,
+                                "top_kernels": [{"name": "gemm", "share": 1.0, "ms_per_step": 1.8,
+                                                 "calls_per_step": kernels}]}
+    entry.update(changes)
+    return entry
+
+
+def test_a_profile_without_kernels_is_a_failed_row_not_a_number(tmp_path: Path) -> None:
+    bench = {"profiles": [profiled("fused", 1, 0), profiled("fused", 256, 90), profiled("fp8w", 1, 80),
+                          profiled("fp8w", 256, 80, status="failed", reason="CUPTI unavailable")]}
+    profile = engine_stage.engine_profile(bench, "fused")
+    assert [b["batch"] for b in profile["batches"]] == [256] and profile["status"] == "measured"
+    assert profile["failed"] == [{"variant": "fused", "batch": 1, "reason": "the profile recorded no kernels"},
+                                 {"variant": "fp8w", "batch": 256, "reason": "CUPTI unavailable"}]
+    assert [b["batch"] for b in profile["variants"]["fp8w"]] == [1]
+    assert engine_stage.engine_profile({"profiles": [profiled("base", 1, 0)]}, "base")["status"] == "failed"
+    tables = report.profile_tables(profile, "Profile")
+    assert "| 1 (fused) | **FAILED**: the profile recorded no kernels |" in tables
+    assert "| 256 (fp8w) | **FAILED**: CUPTI unavailable |" in tables and "| 256 | cuda | 5 |" in tables
+    # serve.json's profile as a whole.
+    assert report.profile_tables({"status": "failed", "reason": "no kernels", "rows": []}, "Serve") == \
+        "Serve: **FAILED**: no kernels"
+
+
+def test_report_shows_a_killed_stage_as_partial_and_a_tagged_pass_as_its_own_block(tmp_path: Path) -> None:
+    doc = tmp_path / "PERFORMANCE.md"
+    performance_doc(doc)
+    killed = stage_json("base", complete=False, partial=True, killed="SIGTERM: the stage's deadline",
+                        problems=["killed before it finished; what it measured until then stands (deadline)"])
+    even = stage_json("serve", tag="serve-even", extra_overrides=["codec.ragged_steps=false"],
+                      table="| even | value |\n|---|---|\n| x | 2 |")
+    results = write_results(tmp_path / "r", stage_json("serve"), killed)
+    (results / "serve-even.json").write_text(json.dumps(even))
+    (results / "engine-variants.json").write_text(json.dumps({"rows": []}))  # a bench's raw file: not a stage
+    subprocess.run([*REPORT, str(results), "--doc", str(doc), "--raw-root", str(tmp_path / "raw")], check=True,
+                   capture_output=True)
+    merged = doc.read_text()
+    assert "| base | NVIDIA H100 80GB HBM3 | 2026-12-01 10:00 | **PARTIAL** | killed before it finished" in merged
+    assert "| serve (serve-even) | NVIDIA H100 80GB HBM3 | 2026-12-01 10:00 | ok |" in merged
+    assert "server settings added: `codec.ragged_steps=false`" in merged and "| even | value |" in merged
+    assert "Raw results: `docs/gpu-results/2026-12-01-h100-80gb-hbm3/serve-even.json`" in merged
+    assert merged.index("<!-- gpu-kit:stage base -->") < merged.index("<!-- gpu-kit:stage serve -->") < \
+        merged.index("<!-- gpu-kit:stage serve-even -->")
+    # Merged again with only the first pass: the tagged pass's block stays.
+    subprocess.run([*REPORT, str(write_results(tmp_path / "r2", stage_json("serve"))), "--doc", str(doc),
+                    "--raw-root", str(tmp_path / "raw")], check=True, capture_output=True)
+    assert doc.read_text().count("<!-- gpu-kit:stage serve-even -->") == 1
+
+
+def check_stage_rows(stage: str, data: dict) -> None:
+    """A stage's rows, however far it got: each one whole, never a half-measured one."""
+    if stage == "check":
+        summary = data.get("pytest")
+        if summary and "collected" in summary:
+            ran = summary["passed"] + summary["failed"] + summary["skipped"]
+            assert ran + summary["not_run"] == summary["collected"]
+    elif stage in ("base", "engine", "compiled"):
+        for row in data.get("bench", {}).get("rows", []):
+            assert row["variant"] in data["variants_planned"] and row["step_ms"] > 0 and row["tokens_per_s"] > 0
+        for row in data.get("variants", []):
+            if row["status"] == "measured":
+                assert all(v > 0 for v in row["step_ms"].values()), row
+            else:
+                assert row["status"] in ("skipped", "failed") and row["reason"] and "step_ms" not in row, row
+    elif stage == "codec":
+        for row in data.get("rows", []):
+            assert row["batch"] in common.DRY.codec_batches and row["pass_ms_median"] > 0, row
+    elif stage == "serve":
+        for row in data.get("rows", []):
+            assert row["concurrency"] in common.DRY.serve_levels and 0 <= row["succeeded"] <= row["requests"], row
+
+
+@pytest.mark.gpukit
+@pytest.mark.timeout(1200)
+def test_every_stage_cut_at_random_points_leaves_partial_well_formed_rows(tmp_path: Path) -> None:
+    """Each stage of the dry run cut at two seeded random points: once as run.sh cuts it (its deadline, then
+    SIGTERM to its process group 5 s later), once killed well before the deadline it was given. Its STAGE.json
+    is there, parses, says partial unless the stage finished, and holds only whole rows. The serve stage runs
+    as the second pass would (a tag, an override)."""
+    import random
+    import signal
+
+    chance = random.Random(47)
+    work = tmp_path / "work"  # the models, written once
+    for stage in common.STAGES:
+        for cut, killed_early in ((chance.uniform(8, 30), False), (chance.uniform(8, 30), True)):
+            out = tmp_path / f"out-{stage}-{cut:.0f}"
+            extra = ["--tag", "serve-even", "--override", "codec.ragged_steps=false"] if stage == "serve" else []
+            deadline = time.time() + (cut + 300 if killed_early else cut)
+            proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu" / "kit.py"), stage, "--dry-run",
+                                     "--results", str(out), "--work", str(work), "--deadline", str(deadline), *extra],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            try:
+                output, _ = proc.communicate(timeout=cut if killed_early else cut + 5)
+                was_killed = False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    output, _ = proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    output, _ = proc.communicate()
+                was_killed = True
+            name = "serve-even" if stage == "serve" else stage
+            where = f"{stage} cut at {cut:.1f} s ({'killed' if was_killed else 'stopped itself'}): {output[-2000:]}"
+            data = json.loads((out / f"{name}.json").read_text())
+            assert sorted(p.name for p in out.iterdir()) == [f"{name}.json"], where
+            assert data["stage"] == stage and data["partial"] is (not data["complete"]), where
+            if was_killed and killed_early and not data["complete"]:  # its deadline was far: the kill cut it
+                assert data["partial"] is True and data.get("killed"), where
+            if data.get("killed"):
+                assert data["partial"] is True, where
+            assert all(isinstance(p, str) for p in data["problems"]), where
+            if stage == "serve":
+                assert data["tag"] == "serve-even" and data["extra_overrides"] == ["codec.ragged_steps=false"], where
+            check_stage_rows(stage, data)
+
+
 # ----------------------------------------------------------------- the full dry run (marked gpukit)
 
 
 @pytest.mark.gpukit
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], wheels: Path, tmp_path: Path) -> None:
     python, _ = box
     out, work = tmp_path / "out", tmp_path / "work"
@@ -471,13 +764,16 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "--budget", "800", "--dry-run", "all"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-    files = sorted(p.name for p in out.iterdir())
-    assert files == sorted([*(f"{s}.json" for s in STAGES), "logs-check-engine-codec-serve.tar.gz"])  # at most 8 files come back
-    datas = {s: json.loads((out / f"{s}.json").read_text()) for s in STAGES}
+    # Every stage `all` names, one JSON each, and one log archive: at most 8 files come back.
+    archives = [p.name for p in out.glob("logs-*.tar.gz")]
+    ran = sorted(p.stem for p in out.glob("*.json"))
+    assert len(archives) == 1 and set(STAGES) <= set(ran) <= set(common.STAGES), (archives, ran)
+    assert len(list(out.iterdir())) == len(ran) + 1 <= 8
+    datas = {s: json.loads((out / f"{s}.json").read_text()) for s in ran}
     for stage, data in datas.items():
         assert data["stage"] == stage and data["dry_run"] is True and data["ok"] is True, data["problems"]
         assert data["complete"] is True and data["table"].startswith("| ")
-    listing = subprocess.run(["tar", "-tzf", str(out / "logs-check-engine-codec-serve.tar.gz")], capture_output=True, text=True).stdout
+    listing = subprocess.run(["tar", "-tzf", str(out / archives[0])], capture_output=True, text=True).stdout
     assert "logs/serve-server.log" in listing and "logs/check-pytest.log" in listing
 
     check = datas["check"]["pytest"]
@@ -488,6 +784,18 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     assert {(r["context"], r["graphs"], r["constrained"]) for r in rows} == {(64, False, True)}  # no graphs on a CPU
     assert [r["adapters"] for r in engine["lora"]["rows"]] == [0, 1, 2]
     check_engine_variants_and_profile(engine)
+    # base and compiled are stages of their own: run here as a second call where `all` does not name them.
+    missing = [s for s in ("base", "compiled") if s not in datas]
+    if missing:
+        more = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "run.sh"), "--budget", "420", "--dry-run",
+                               *missing], cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+        assert more.returncode == 0, more.stdout[-5000:] + more.stderr[-3000:]
+        datas.update({s: json.loads((out / f"{s}.json").read_text()) for s in missing})
+    for alone in ("base", "compiled"):
+        assert datas[alone]["ok"] is True and datas[alone]["variants_planned"] == [alone], datas[alone]["problems"]
+        assert "lora" not in datas[alone] and not datas[alone]["slots_that_fit"]
+        check_engine_variants_and_profile(datas[alone], lora=False)
+    assert not {"base", "compiled"} & set(engine["variants_planned"])  # each measured once
     # Every step of a context's measurement attends within the graph bucket that ends at the context.
     assert all(r["context"] // 2 < r["kv_len_first"] <= r["kv_len_last"] <= r["context"] for r in rows)
     assert engine["slots_that_fit"][0]["max_slots"] > 0
@@ -508,7 +816,7 @@ def test_every_stage_runs_end_to_end_on_the_bare_box(box: tuple[Path, Path], whe
     # The engine core (its own process) profiled its steps in one more round at the highest level.
     profile = serve["profile"]
     assert profile["status"] == "measured" and profile["concurrency"] == 2
-    assert profile["batches"][0]["steps"] == kit.DRY.serve_profile_steps and profile["batches"][0]["kernels_per_step"] > 0
+    assert profile["batches"][0]["steps"] == common.DRY.serve_profile_steps and profile["batches"][0]["kernels_per_step"] > 0
     assert [r["concurrency"] for r in serve["rows"]] == [1, 2]
     for row in serve["rows"]:
         assert row["succeeded"] == row["requests"] and row["errors"] == 0 and row["short_streams"] == 0

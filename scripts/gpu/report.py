@@ -10,9 +10,13 @@ RAW_ROOT/<date>-<card>/ (committed with the report), and writes each stage's tab
 driver, torch/CUDA versions and date, between the markers below. A stage missing from RESULTS_DIR keeps
 what the section already had for it, so stages run in separate calls add up.
 
+A stage run twice in a call (serve with other server settings, `kit.py serve --tag NAME`) is its own block,
+named by its tag (NAME.json), after the stage's first.
+
 Every stage that ran is recorded. One that failed (`ok` false: a failed GPU test, requests that failed,
 a bench that raised...) is merged as FAILED with its problems and whatever it measured; that result is
-what users must see. One cut short by its deadline is merged as PARTIAL. The section opens with one row
+what users must see. One cut short by its deadline (`partial`, or `complete` false: killed, or stopped before
+its last piece) is merged as PARTIAL with what it measured. The section opens with one row
 per stage: machine, date, result and problems. Only the results of a dry run (CPU, tiny shapes) are
 refused unless --allow-dry-run: their numbers say nothing about a GPU.
 
@@ -39,7 +43,9 @@ BEGIN = "<!-- gpu-kit:begin -->"
 END = "<!-- gpu-kit:end -->"
 STAGE_TITLES = {
     "check": "Check: the card, the versions, `pytest -m gpu`",
+    "base": "Base: the engine's decode steps in the server's own configuration (Orpheus-3B shape, bf16)",
     "engine": "Engine: decode steps of the Orpheus-3B shape (torch backend, bf16)",
+    "compiled": "Compiled: the engine's decode steps with engine.compile (Orpheus-3B shape, bf16)",
     "codec": "Codec: stateful SNAC decode in FP16 on its own stream",
     "serve": "Serve: the production server over gRPC (engine core in its own process), stepped concurrency",
 }
@@ -49,7 +55,6 @@ SUMMARY = "<!-- gpu-kit:summary {} -->"  # one stage's row of the overview, kept
 RUN_BEGIN = "<!-- gpu-kit:run {} -->"
 RUN_END = "<!-- gpu-kit:run-end {} -->"
 EDITS_FILE = "kit-edits.diff"
-
 
 
 def cell(value: Any) -> str:
@@ -156,7 +161,7 @@ def stage_result(data: dict[str, Any], table: str) -> tuple[str, str]:
         problems.append("the stage measured nothing")
     if not data.get("ok") or not table.strip():
         return "FAILED", "; ".join(problems) or "no verdict recorded"
-    if not data.get("complete"):
+    if data.get("partial") or not data.get("complete"):
         return "PARTIAL", "; ".join(problems) or "cut short"
     return "ok", "; ".join(problems)
 
@@ -164,14 +169,23 @@ def stage_result(data: dict[str, Any], table: str) -> tuple[str, str]:
 def profile_tables(profile: dict | None, title: str) -> str:
     """Markdown for a `profile` object (engine.json, serve.json; engines/profiling.py): one line per profiled
     batch (kernels per step, busy and idle), then its top kernels with their share of the device time."""
-    if not profile or not profile.get("batches"):
+    if not profile:
         return ""
+    failed = profile.get("failed") or []
+    if not profile.get("batches"):
+        if profile.get("status") in ("failed", "skipped"):  # serve.json: the sub-step as a whole
+            return f"{title}: **{profile['status'].upper()}**: {profile.get('reason') or '-'}"
+        if not failed:
+            return ""
     out = [f"{title}:", "", "| batch | activity | steps | step ms | busy ms / step | kernels / step | idle share |",
            "|---|---|---|---|---|---|---|"]
-    for b in profile["batches"]:
+    # A profiled step with no kernel (or one the bench marked failed) is no measurement: a FAILED row.
+    out += [f"| {f.get('batch')} ({f.get('variant')}) | **FAILED**: {cell(f.get('reason'))} | - | - | - | - | - |"
+            for f in failed]
+    for b in profile.get("batches") or []:
         out.append(f"| {b['batch']} | {b['activity']} | {b['steps']} | {b['step_ms']} | {b['busy_ms_per_step']} | "
                    f"{b['kernels_per_step']} | {b['idle_share']:.1%} |")
-    for b in profile["batches"]:
+    for b in profile.get("batches") or []:
         out += ["", f"Top kernels at batch {b['batch']}:", "", "| kernel | share | ms / step | calls / step |",
                 "|---|---|---|---|"]
         out += [f"| `{k['name'].replace('|', '/')[:100]}` | {k['share']:.1%} | {k['ms_per_step']} | "
@@ -190,7 +204,19 @@ def machine(data: dict[str, Any]) -> str:
     return env.get("gpu") or f"CPU, {env.get('cpu_count')} cores"
 
 
+def block_name(data: dict[str, Any]) -> str:
+    """A stage's block (and file) name: its tag when it has one (a second serve pass), else the stage."""
+    return str(data.get("tag") or data["stage"])
+
+
+def block_order(name: str) -> tuple[int, str]:
+    """Blocks in STAGE_TITLES' order, a tagged pass after its stage (a tag starts with its stage's name)."""
+    stage = name if name in STAGE_TITLES else name.split("-", 1)[0]
+    return (list(STAGE_TITLES).index(stage) if stage in STAGE_TITLES else len(STAGE_TITLES), name)
+
+
 def stage_block(stage: str, data: dict[str, Any], folder: str) -> str:
+    name = block_name({"stage": stage, **data})
     env = data.get("env", {})
     table = stage_table(stage, data)
     result, problems = stage_result(data, table)
@@ -198,24 +224,28 @@ def stage_block(stage: str, data: dict[str, Any], folder: str) -> str:
              f"{env.get('torch_cuda')}), {env.get('date_utc')} UTC")
     if data.get("dry_run"):
         where += ", DRY RUN: tiny shapes on a CPU, not a measurement"
+    if data.get("extra_overrides"):
+        where += "; server settings added: " + ", ".join(f"`{o}`" for o in data["extra_overrides"])
     if result != "ok":
         where += f"; {result}: {problems}"
-    summary = SUMMARY.format(json.dumps([stage, machine(data), env.get("date_utc"), result, problems, folder]))
+    label = stage if name == stage else f"{stage} ({name})"
+    summary = SUMMARY.format(json.dumps([label, machine(data), env.get("date_utc"), result, problems, folder]))
     profile = profile_tables(data.get("profile"), f"Profile of the {stage} stage's steps (torch.profiler; idle: "
                              "no kernel running inside a step's wall time)")
     body = (table.strip() or "**FAILED**: nothing was measured.") + (f"\n\n{profile}" if profile else "")
-    return (f"{STAGE_BEGIN.format(stage)}\n{summary}\n### {STAGE_TITLES[stage]}\n\n{where}; stage took "
-            f"{data.get('stage_seconds')} s. Raw results: `docs/gpu-results/{folder}/{stage}.json`.\n\n"
-            f"{body}\n{STAGE_END.format(stage)}")
+    title = STAGE_TITLES[stage] + ("" if name == stage else f"; pass `{name}`")
+    return (f"{STAGE_BEGIN.format(name)}\n{summary}\n### {title}\n\n{where}; stage took "
+            f"{data.get('stage_seconds')} s. Raw results: `docs/gpu-results/{folder}/{name}.json`.\n\n"
+            f"{body}\n{STAGE_END.format(name)}")
 
 
 def overview(blocks: dict[str, str]) -> str:
     rows = []
-    for stage in STAGE_TITLES:
-        match = re.search(r"^<!-- gpu-kit:summary (\[.*\]) -->$", blocks.get(stage, ""), flags=re.M)
+    for name in sorted(blocks, key=block_order):
+        match = re.search(r"^<!-- gpu-kit:summary (\[.*\]) -->$", blocks[name], flags=re.M)
         if match:
-            _, card, date, result, problems, folder = json.loads(match.group(1))
-            rows.append([stage, card, date, f"**{result}**" if result != "ok" else result, problems or "-",
+            label, card, date, result, problems, folder = json.loads(match.group(1))
+            rows.append([label, card, date, f"**{result}**" if result != "ok" else result, problems or "-",
                          f"`docs/gpu-results/{folder}/`"])
     return markdown_table(["stage", "machine", "date (UTC)", "result", "problems", "raw results"], rows)
 
@@ -247,16 +277,19 @@ def existing_blocks(section: str, begin: str, end: str, names: list[str] | None 
 
 
 def read_stages(results: Path, *, allow_dry_run: bool) -> dict[str, dict]:
-    """Every stage's data in `results`; SystemExit naming each refused stage (nothing is written then)."""
+    """Every stage's data in `results`, by block name (the stage, or a pass's tag); SystemExit naming each refused
+    stage (nothing is written then). A JSON file that is no stage's (a bench's raw output) is left alone."""
     stages, refused = {}, []
-    for stage in STAGE_TITLES:
-        json_path = results / f"{stage}.json"
-        if not json_path.exists():
+    for json_path in sorted(results.glob("*.json")):
+        try:
+            data = json.loads(json_path.read_text())
+        except ValueError:
             continue
-        data = json.loads(json_path.read_text())
+        if not isinstance(data, dict) or data.get("stage") not in STAGE_TITLES:
+            continue
         if data.get("dry_run") and not allow_dry_run:
             refused.append(f"{json_path}: results of a dry run; pass --allow-dry-run to merge them anyway")
-        stages[stage] = data
+        stages[block_name(data)] = data
     if refused:
         raise SystemExit("refused (nothing written):\n" + "\n".join(refused))
     if not stages:
@@ -280,12 +313,12 @@ def merge(doc: str, stages: dict[str, dict], *, folder: str, run: str | None) ->
         old, tail = rest.split(END, 1)
     else:
         head, old, tail = doc.rstrip() + "\n\n", "", "\n"
-    kept = existing_blocks(old, STAGE_BEGIN, STAGE_END, list(STAGE_TITLES))
-    kept.update({stage: stage_block(stage, data, folder) for stage, data in stages.items()})
+    kept = existing_blocks(old, STAGE_BEGIN, STAGE_END)
+    kept.update({name: stage_block(data["stage"], data, folder) for name, data in stages.items()})
     runs = existing_blocks(old, RUN_BEGIN, RUN_END)
     if run is not None:
         runs[folder] = run
-    body = "\n\n".join(kept[s] for s in STAGE_TITLES if s in kept)
+    body = "\n\n".join(kept[name] for name in sorted(kept, key=block_order))
     section = (f"{BEGIN}\n## GPU: the torch backend on one card (scripts/gpu)\n\n"
                "Written by `scripts/gpu/report.py` from `bash scripts/gpu/run.sh STAGE...` on the machine named in "
                "each part (random weights in the exact Orpheus-3B shape; weight values do not change speed). "
