@@ -53,7 +53,7 @@ SHARD_WEIGHTS_S = {
     "test_openai_clients.py": 40, "test_ws_contexts.py": 40, "test_gateway_load.py": 35, "test_soak.py": 35,
     "test_container_files.py": 30, "test_playground.py": 25, "test_telephony.py": 25, "test_submit_burst.py": 20,
     "test_hostile_input.py": 20, "test_contexts.py": 20, "test_split_parity.py": 15, "test_trtllm_engine.py": 15,
-    "test_container_drain.py": 15, "test_compiled.py": 110,
+    "test_container_drain.py": 15, "test_compiled.py": 140, "test_core_host.py": 20, "test_replay.py": 15,
 }
 # The last shard also runs scripts/test.sh's in-process pass afterwards: it starts this much behind.
 IN_PROCESS_PASS_S = 110
