@@ -421,6 +421,8 @@ def check_engine_variants_and_profile(engine: dict[str, object], *, lora: bool =
                 assert set(row["step_ms"]) == {"1", "2"} and row["build_s"] >= 0, name
                 if engine.get("attention_requested"):  # the dry run asks for the Triton kernels (interpreted)
                     assert row["attention"] == "triton", name
+                if name == "compiled":  # every measured batch size ran on the compile made at build
+                    assert row["compiles"]["at_build"] >= 1 and row["compiles"]["after_warm_up"] == 0, row
         else:
             assert row["status"] in ("skipped", "failed") and row["reason"] and "step_ms" not in row, name
     assert all(variants[v]["status"] == "measured" for v in ("base", "fused", "fp8kv", "fp8w") if v in variants)

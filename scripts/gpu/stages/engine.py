@@ -152,6 +152,9 @@ def variant_rows(variants: list[str], bench: dict[str, Any], shapes: Shapes,
         if rows:
             out.append({"variant": name, "status": "measured", "build_s": rows[0].get("build_s"),
                         "attention": rows[0].get("attention"),
+                        # A compiled engine's compilations (at build, in all, after warm-up: 0 as designed, one
+                        # compile serves every padded batch); the bench measured each batch after the warm-up.
+                        **({"compiles": rows[0]["compiles"]} if rows[0].get("compiles") else {}),
                         "kv_lens": f"{rows[0]['kv_len_first']}-{rows[0]['kv_len_last']}",
                         "slots_fit": rows[0].get("slots_fit"),
                         "step_ms": {str(r["batch"]): r["step_ms"] for r in rows},
@@ -289,6 +292,10 @@ def render_engine(run: StageRun) -> None:
                   f"compilation, graphs)" + (f"; the lora rows (a batch of {shapes.lora_batch}) follow."
                                              if run.stage == "engine" else "."))
     run.table += f"\n\nAttention (SDPA) kernel: {', '.join(data.get('sdpa') or []) or '-'}."
+    for v in variants:
+        if compiles := v.get("compiles"):
+            run.table += (f"\n\n{v['variant']}: {compiles['at_build']} compilation(s) at build, "
+                          f"{compiles['after_warm_up']} after warm-up (0: one compile served every batch size).")
     if plans := data.get("slots_that_fit"):
         run.table += "\n\nMemory plan (engine planner, 90% of the free memory measured with nothing loaded):\n\n"
         run.table += markdown_table(
