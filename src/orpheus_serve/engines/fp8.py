@@ -79,11 +79,20 @@ class Fp8Linear(nn.Module):
         their output as they write it): x gives only the shape and dtype of the result."""
         x_fp8, x_scale = quantized  # [M, K] e4m3 row-major, [M, 1] fp32
         # Hopper's FP8 GEMM takes A row-major and B column-major: weight_fp8 [N, K] contiguous, transposed
-        # as a view. CUDA's row-wise scaled GEMM writes bf16 only; the CPU one writes the input's dtype.
-        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-        y = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=out_dtype)
+        # as a view.
+        y = scaled_mm_rowwise(x_fp8, self.weight_fp8.t(), x_scale, self.weight_scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def scaled_mm_rowwise(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+    """a [M, K] e4m3 row-major @ b [K, N] e4m3 column-major, times scale_a [M, 1] and scale_b [1, N]: bf16 on
+    CUDA (its row-wise scaled GEMM writes bf16 only), fp32 on a CPU. A CPU's `_scaled_mm` takes per-tensor
+    scales only in some torch releases (2.11 among them): there the GEMM runs at unit scales and the row and
+    channel scales follow, which is the same product."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    unit = scale_a.new_ones(())
+    return torch._scaled_mm(a, b, scale_a=unit, scale_b=unit, out_dtype=torch.float32) * scale_a * scale_b
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:

@@ -394,9 +394,10 @@ class LoraBatch:
         return y
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LayerLora:
-    """A LoraBatch bound to one layer: what llama.py's linears call."""
+    """A LoraBatch bound to one layer: what llama.py's linears call. Hashed by identity (eq=False): dynamo
+    (torch 2.11) hashes an object made inside a traced function before its fields are set."""
 
     batch: LoraBatch
     index: int
