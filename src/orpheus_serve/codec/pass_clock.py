@@ -10,13 +10,13 @@ import threading
 import numpy as np
 
 WINDOW_PASSES = 512  # as core.host_time.WINDOW_STEPS: a few seconds of passes on a card
-_PROC_TASKS = "/proc/self/task"
+PROC_TASKS = "/proc/self/task"  # this process's threads (Linux)
 
 
 def name_os_thread(name: str) -> None:
     """Give the calling thread its name in the kernel too (/proc/self/task/TID/comm, 15 bytes), so that top,
     py-spy and `core_host.threads` show it; nothing happens where that file cannot be written."""
-    with contextlib.suppress(OSError), open(f"{_PROC_TASKS}/{threading.get_native_id()}/comm", "w") as f:
+    with contextlib.suppress(OSError), open(f"{PROC_TASKS}/{threading.get_native_id()}/comm", "w") as f:
         f.write(name[:15])
 
 
@@ -38,9 +38,10 @@ class PassClock:
         if not len(rows):
             return None
         (wall50, cpu50, frames50), (wall90, _, _) = np.percentile(rows * (1000.0, 1000.0, 1.0), (50, 90), axis=0)
-        return {"wall_ms_p50": _r(wall50), "wall_ms_p90": _r(wall90), "host_ms_p50": _r(cpu50),
-                "frames_p50": _r(frames50)}
+        return {"wall_ms_p50": rounded(wall50), "wall_ms_p90": rounded(wall90), "host_ms_p50": rounded(cpu50),
+                "frames_p50": rounded(frames50)}
 
 
-def _r(value: float, digits: int = 4) -> float:
+def rounded(value: float, digits: int = 4) -> float:
+    """A figure of the stats records, as a plain float of `digits` decimals."""
     return round(float(value), digits)

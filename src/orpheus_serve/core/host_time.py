@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..codec.pass_clock import PassClock
+from ..codec.pass_clock import PROC_TASKS, PassClock, rounded
 
 # Loop iterations (and codec passes) the figures cover: a few seconds of steps on a card.
 WINDOW_STEPS = 512
@@ -47,7 +47,6 @@ SUMMARY_MAX_AGE_S = 0.25
 # Decode-only steps within this share of a prefill step's rows (at least one row) are its baseline.
 SIMILAR_BATCH = 0.25
 
-_PROC_TASKS = "/proc/self/task"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in os.sysconf_names else 100
 
 
@@ -132,12 +131,12 @@ def thread_times() -> list[ThreadTime]:
     python_names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     out = []
     try:
-        tasks = os.listdir(_PROC_TASKS)
+        tasks = os.listdir(PROC_TASKS)
     except OSError:
         return []
     for task in tasks:
         try:
-            with open(f"{_PROC_TASKS}/{task}/stat") as f:
+            with open(f"{PROC_TASKS}/{task}/stat") as f:
                 stat = f.read()
         except OSError:  # the thread ended meanwhile
             continue
@@ -200,9 +199,9 @@ class CoreHostSampler:
             ms = steps[:, :-1] * 1000.0  # phases, total, cpu
             p50, p90 = np.percentile(ms, (50, 90), axis=0)
             mean = ms.mean(axis=0)
-            step_ms = {name: {"p50": _r(p50[i]), "p90": _r(p90[i]), "mean": _r(mean[i])}
+            step_ms = {name: {"p50": rounded(p50[i]), "p90": rounded(p90[i]), "mean": rounded(mean[i])}
                        for i, name in enumerate((*PHASES, "total"))}
-            step_cpu_ms = {"p50": _r(p50[-1]), "mean": _r(mean[-1])}
+            step_cpu_ms = {"p50": rounded(p50[-1]), "mean": rounded(mean[-1])}
         return {
             "window_steps": len(steps),
             "step_ms": step_ms,
@@ -250,12 +249,8 @@ def prefill_ms_per_token(plans: np.ndarray) -> float | None:
         base = baselines[rows]
         if base is not None:
             extra.append((period[i] - base) / tokens[i])
-    return _r(1000.0 * float(np.median(extra)), 5) if extra else None
+    return rounded(1000.0 * float(np.median(extra)), 5) if extra else None
 
 
 def _read_cpu() -> _CpuReading:
     return _CpuReading(time.perf_counter(), time.process_time(), thread_times())
-
-
-def _r(value: float, digits: int = 4) -> float:
-    return round(float(value), digits)
